@@ -1,0 +1,193 @@
+#include "ops.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/ops.h"
+#include "primitives.h"
+
+namespace mtplx {
+
+namespace {
+
+[[noreturn]] void bad_arg(const std::string& msg) {
+  throw std::invalid_argument(msg);
+}
+
+std::string shape_str(const mx::Shape& shape) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    os << (i ? ", " : "") << shape[i];
+  }
+  os << (shape.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool is_logit_dtype(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+} // namespace
+
+mx::array verify_greedy(
+    const mx::array& verify_logits,
+    const mx::array& tokens,
+    mx::StreamOrDevice s) {
+  if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
+    bad_arg(
+        "verify_logits must have shape [B, 2, V], got " +
+        shape_str(verify_logits.shape()));
+  }
+  if (!is_logit_dtype(verify_logits.dtype())) {
+    throw std::invalid_argument(
+        "verify_logits must be float32, float16 or bfloat16");
+  }
+  const int B = verify_logits.shape(0);
+  const int V = verify_logits.shape(2);
+  if (B < 1 || V < 1) {
+    bad_arg(
+        "verify_logits must have B >= 1 and V >= 1, got " +
+        shape_str(verify_logits.shape()));
+  }
+  if (tokens.ndim() != 2 || tokens.shape(0) != B || tokens.shape(1) != 2) {
+    bad_arg(
+        "tokens must have shape [B, 2] = (" + std::to_string(B) +
+        ", 2) to match verify_logits, got " + shape_str(tokens.shape()));
+  }
+  if (!mx::issubdtype(tokens.dtype(), mx::integer)) {
+    bad_arg("tokens must have an integer dtype");
+  }
+  auto st = mx::to_stream(s);
+  // int32 and int64 are read natively; other widths widen losslessly.
+  auto tok = (tokens.dtype() == mx::int32 || tokens.dtype() == mx::int64)
+      ? tokens
+      : mx::astype(tokens, mx::int64, st);
+  auto logits = mx::contiguous(verify_logits, false, st);
+  tok = mx::contiguous(tok, false, st);
+  return mx::array(
+      {B, 5},
+      mx::int32,
+      std::make_shared<VerifyGreedy>(st),
+      {logits, tok});
+}
+
+std::vector<mx::Shape> VerifyGreedy::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), 5}};
+}
+
+std::vector<mx::array> snapshot_state(
+    const std::vector<mx::array>& leaves,
+    mx::StreamOrDevice s) {
+  if (leaves.empty()) {
+    return {};
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> inputs;
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  inputs.reserve(leaves.size());
+  for (auto& a : leaves) {
+    inputs.push_back(mx::contiguous(a, false, st));
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  return mx::array::make_arrays(
+      std::move(shapes),
+      std::move(dtypes),
+      std::make_shared<SnapshotState>(st),
+      std::move(inputs));
+}
+
+std::vector<mx::Shape> SnapshotState::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> out;
+  for (auto& a : inputs) {
+    out.push_back(a.shape());
+  }
+  return out;
+}
+
+std::vector<mx::array> restore_state(
+    const std::vector<mx::array>& live,
+    const std::vector<mx::array>& snapshot,
+    const std::optional<mx::array>& row_mask,
+    mx::StreamOrDevice s) {
+  if (live.size() != snapshot.size()) {
+    bad_arg(
+        "snapshot has " + std::to_string(snapshot.size()) +
+        " leaves but live has " + std::to_string(live.size()));
+  }
+  if (live.empty()) {
+    return {};
+  }
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (live[i].shape() != snapshot[i].shape()) {
+      bad_arg(
+          "snapshot[" + std::to_string(i) + "] has shape " +
+          shape_str(snapshot[i].shape()) + " but live[" + std::to_string(i) +
+          "] has shape " + shape_str(live[i].shape()));
+    }
+    if (live[i].dtype() != snapshot[i].dtype()) {
+      bad_arg(
+          "snapshot[" + std::to_string(i) + "] and live[" + std::to_string(i) +
+          "] have different dtypes");
+    }
+  }
+  if (row_mask) {
+    auto& m = *row_mask;
+    if (m.ndim() != 1) {
+      bad_arg("row_mask must have shape [B], got " + shape_str(m.shape()));
+    }
+    if (m.dtype() != mx::bool_) {
+      bad_arg("row_mask must be a bool array");
+    }
+    for (size_t i = 0; i < live.size(); ++i) {
+      if (live[i].ndim() < 1 || live[i].shape(0) != m.shape(0)) {
+        bad_arg(
+            "live[" + std::to_string(i) + "] has shape " +
+            shape_str(live[i].shape()) + ", whose batch size differs from " +
+            "row_mask's " + std::to_string(m.shape(0)));
+      }
+    }
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> inputs;
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (auto& a : live) {
+    inputs.push_back(mx::contiguous(a, false, st));
+    shapes.push_back(a.shape());
+    dtypes.push_back(a.dtype());
+  }
+  for (auto& a : snapshot) {
+    inputs.push_back(mx::contiguous(a, false, st));
+  }
+  if (row_mask) {
+    inputs.push_back(mx::contiguous(*row_mask, false, st));
+  }
+  return mx::array::make_arrays(
+      std::move(shapes),
+      std::move(dtypes),
+      std::make_shared<RestoreState>(
+          st, static_cast<int>(live.size()), row_mask.has_value()),
+      std::move(inputs));
+}
+
+bool RestoreState::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const RestoreState&>(other);
+  return num_leaves_ == o.num_leaves_ && masked_ == o.masked_;
+}
+
+std::vector<mx::Shape> RestoreState::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  std::vector<mx::Shape> out;
+  for (int i = 0; i < num_leaves_; ++i) {
+    out.push_back(inputs[i].shape());
+  }
+  return out;
+}
+
+} // namespace mtplx

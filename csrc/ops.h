@@ -1,0 +1,30 @@
+// C++ entry points of mtplx_ext. They check arguments (std::invalid_argument
+// names the argument) and build the primitive's output arrays lazily.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+mx::array verify_greedy(
+    const mx::array& verify_logits,
+    const mx::array& tokens,
+    mx::StreamOrDevice s = {});
+
+std::vector<mx::array> snapshot_state(
+    const std::vector<mx::array>& leaves,
+    mx::StreamOrDevice s = {});
+
+std::vector<mx::array> restore_state(
+    const std::vector<mx::array>& live,
+    const std::vector<mx::array>& snapshot,
+    const std::optional<mx::array>& row_mask,
+    mx::StreamOrDevice s = {});
+
+} // namespace mtplx

@@ -1,0 +1,90 @@
+// MLX primitives of mtplx_ext: one class per op. eval_cpu lives in cpu/,
+// eval_gpu in metal/ (or no_metal.cpp where MLX has no Metal backend).
+#pragma once
+
+#include <vector>
+
+#include "mlx/primitives.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+// Greedy verification of one MTP draft per stream, packed into the bundle.
+// Inputs: logits [B, 2, V] (float32/float16/bfloat16, row contiguous),
+// tokens [B, 2] (int32 or int64). Output: bundle [B, 5] int32.
+class VerifyGreedy : public mx::UnaryPrimitive {
+ public:
+  explicit VerifyGreedy(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "VerifyGreedy";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+};
+
+// Copies every input leaf into a fresh output of the same shape and dtype, in
+// one primitive for the whole list.
+class SnapshotState : public mx::Primitive {
+ public:
+  explicit SnapshotState(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "SnapshotState";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+};
+
+// Inputs: n live leaves, n snapshot leaves, then optionally a row mask [B]
+// (bool). Output i is snapshot i where the mask is set (everywhere without a
+// mask) and live i elsewhere.
+class RestoreState : public mx::Primitive {
+ public:
+  RestoreState(mx::Stream stream, int num_leaves, bool masked)
+      : mx::Primitive(stream), num_leaves_(num_leaves), masked_(masked) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "RestoreState";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  int num_leaves() const {
+    return num_leaves_;
+  }
+  bool masked() const {
+    return masked_;
+  }
+
+ private:
+  int num_leaves_;
+  bool masked_;
+};
+
+} // namespace mtplx

@@ -1,0 +1,84 @@
+// Numeric rules shared by the CPU kernels (csrc/) and the Metal kernels
+// (metal/). Anything that decides a token lives here so both paths agree bit
+// for bit.
+//
+// Token choice works on an order-preserving integer key of the logit's bits:
+//   * the largest key wins; ties go to the lowest index (as mx.argmax);
+//   * -0 and +0 share one key (they compare equal as floats);
+//   * a row is invalid when it holds a NaN (either sign) or +Inf, or has no
+//     finite logit at all (every entry -Inf): the bundle then says accept = -1.
+#pragma once
+
+#ifdef __METAL_VERSION__
+#define MTPLX_FN inline
+#define MTPLX_CONST constant
+#else
+#include <cstdint>
+#define MTPLX_FN inline constexpr
+#define MTPLX_CONST constexpr
+#endif
+
+namespace mtplx {
+
+#ifndef __METAL_VERSION__
+using uint = uint32_t;
+using ushort = uint16_t;
+#endif
+
+// Bundle layout: one int32 row of kBundleCols per stream.
+MTPLX_CONST int kBundleCols = 5;
+MTPLX_CONST int kColX0 = 0;
+MTPLX_CONST int kColDraft = 1;
+MTPLX_CONST int kColSecond = 2; // x1 (greedy) or the committed second token
+MTPLX_CONST int kColAccept = 3;
+MTPLX_CONST int kColBonus = 4;
+// accept / token value for a row that must not be used.
+MTPLX_CONST int kInvalid = -1;
+
+// Ordered keys. The arithmetic shift flips the magnitude bits of negative
+// values so that signed integer order equals float order.
+struct F32Key {
+  using bits_t = uint;
+  static MTPLX_FN int key(uint bits) {
+    bits = (bits & 0x7FFFFFFFu) == 0u ? 0u : bits;
+    int s = int(bits);
+    return s ^ ((s >> 31) & 0x7FFFFFFF);
+  }
+  static MTPLX_FN int pos_inf() {
+    return 0x7F800000;
+  }
+  static MTPLX_FN int neg_inf() {
+    return int(0x807FFFFFu); // key(0xFF800000)
+  }
+};
+
+template <int PosInfBits>
+struct Half16Key {
+  using bits_t = ushort;
+  static MTPLX_FN int key(ushort bits) {
+    bits = (bits & 0x7FFF) == 0 ? ushort(0) : bits;
+    int s = int(short(bits));
+    return s ^ ((s >> 15) & 0x7FFF);
+  }
+  static MTPLX_FN int pos_inf() {
+    return PosInfBits;
+  }
+  static MTPLX_FN int neg_inf() {
+    return -PosInfBits - 1; // key(PosInfBits | 0x8000)
+  }
+};
+
+using F16Key = Half16Key<0x7C00>;
+using BF16Key = Half16Key<0x7F80>;
+
+// The largest key of a row and its smallest key decide whether it is usable.
+MTPLX_FN bool row_is_valid(int max_key, int min_key, int pos_inf, int neg_inf) {
+  return max_key < pos_inf && min_key >= neg_inf && max_key > neg_inf;
+}
+
+// Argmax combine: larger key wins, ties go to the lower index.
+MTPLX_FN bool takes_over(int key, int idx, int best_key, int best_idx) {
+  return key > best_key || (key == best_key && idx < best_idx);
+}
+
+} // namespace mtplx
