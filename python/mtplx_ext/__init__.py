@@ -1,6 +1,13 @@
 """mtplx_ext: fast, exact batched MTP speculative decoding on MLX."""
 
-from mtplx_ext._abi import check_extension as _check_extension
+# Must run before mlx.core is first imported: on Linux it routes MLX's CPU
+# matmuls to OpenBLAS. If mlx.core is already loaded it warns and leaves MLX's
+# reference BLAS in place; `mtplx_ext.BLAS` says which BLAS is in use.
+from mtplx_ext import _blas
+
+BLAS: _blas.BlasStatus = _blas.load()
+
+from mtplx_ext._abi import check_extension as _check_extension  # noqa: E402
 
 _check_extension()
 
@@ -10,6 +17,7 @@ from mtplx_ext.verify import verify_greedy  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "BLAS",
     "restore_state",
     "snapshot_state",
     "verify_greedy",

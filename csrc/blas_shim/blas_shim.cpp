@@ -1,0 +1,137 @@
+// A tiny library that exports the cblas_* GEMM symbols libmlx imports on
+// Linux and forwards them to an OpenBLAS whose symbols carry a prefix (the
+// scipy-openblas32 wheel exports scipy_cblas_sgemm, ...).
+//
+// Loaded with RTLD_GLOBAL before libmlx, its definitions come first in the
+// global symbol scope, so libmlx's calls bind here instead of to the
+// reference BLAS bundled with the mlx wheel. The OpenBLAS library is opened at
+// run time (mtplx_blas_bind) so that this shim builds without it.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace {
+
+// CBLAS enums are plain C ints (CblasRowMajor = 101, CblasNoTrans = 111, ...);
+// scipy-openblas32 uses 32-bit integers (blasint = int).
+using sgemm_fn = void (*)(int, int, int, int, int, int, float, const float*,
+                          int, const float*, int, float, float*, int);
+using dgemm_fn = void (*)(int, int, int, int, int, int, double, const double*,
+                          int, const double*, int, double, double*, int);
+using cgemm_fn = void (*)(int, int, int, int, int, int, const void*,
+                          const void*, int, const void*, int, const void*,
+                          void*, int);
+using set_threads_fn = void (*)(int);
+using get_threads_fn = int (*)();
+using get_config_fn = char* (*)();
+
+sgemm_fn g_sgemm = nullptr;
+dgemm_fn g_dgemm = nullptr;
+cgemm_fn g_cgemm = nullptr;
+set_threads_fn g_set_threads = nullptr;
+get_threads_fn g_get_threads = nullptr;
+get_config_fn g_get_config = nullptr;
+void* g_handle = nullptr;
+// Counts forwarded GEMM calls: the loader's proof that libmlx really calls
+// through this library.
+std::atomic<long long> g_calls{0};
+char g_error[512] = "";
+
+void* sym(const std::string& prefix, const char* name) {
+  return dlsym(g_handle, (prefix + name).c_str());
+}
+
+void missing(const char* what) {
+  std::fprintf(stderr,
+               "mtplx_ext blas shim: %s called before mtplx_blas_bind "
+               "succeeded; aborting\n",
+               what);
+  std::abort();
+}
+
+}  // namespace
+
+extern "C" {
+
+// Opens `path` and resolves `<prefix>cblas_{s,d,c}gemm`. Returns 0 on success;
+// on failure returns non-zero and mtplx_blas_error() says why.
+__attribute__((visibility("default"))) int mtplx_blas_bind(const char* path,
+                                                           const char* prefix) {
+  if (g_sgemm != nullptr) return 0;
+  std::string p = prefix ? prefix : "";
+  g_handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (g_handle == nullptr) {
+    std::snprintf(g_error, sizeof(g_error), "dlopen failed: %s", dlerror());
+    return 1;
+  }
+  auto s = reinterpret_cast<sgemm_fn>(sym(p, "cblas_sgemm"));
+  auto d = reinterpret_cast<dgemm_fn>(sym(p, "cblas_dgemm"));
+  auto c = reinterpret_cast<cgemm_fn>(sym(p, "cblas_cgemm"));
+  if (s == nullptr || d == nullptr || c == nullptr) {
+    std::snprintf(g_error, sizeof(g_error),
+                  "%s lacks %scblas_sgemm/dgemm/cgemm", path, p.c_str());
+    return 2;
+  }
+  g_set_threads = reinterpret_cast<set_threads_fn>(sym(p, "openblas_set_num_threads"));
+  g_get_threads = reinterpret_cast<get_threads_fn>(sym(p, "openblas_get_num_threads"));
+  g_get_config = reinterpret_cast<get_config_fn>(sym(p, "openblas_get_config"));
+  g_dgemm = d;
+  g_cgemm = c;
+  g_sgemm = s;
+  return 0;
+}
+
+__attribute__((visibility("default"))) const char* mtplx_blas_error() {
+  return g_error;
+}
+
+__attribute__((visibility("default"))) long long mtplx_blas_calls() {
+  return g_calls.load(std::memory_order_relaxed);
+}
+
+__attribute__((visibility("default"))) int mtplx_blas_set_threads(int n) {
+  if (g_set_threads == nullptr) return 1;
+  g_set_threads(n);
+  return 0;
+}
+
+__attribute__((visibility("default"))) int mtplx_blas_get_threads() {
+  return g_get_threads ? g_get_threads() : -1;
+}
+
+__attribute__((visibility("default"))) const char* mtplx_blas_config() {
+  return g_get_config ? g_get_config() : "";
+}
+
+__attribute__((visibility("default"))) void cblas_sgemm(
+    int order, int ta, int tb, int m, int n, int k, float alpha, const float* a,
+    int lda, const float* b, int ldb, float beta, float* c, int ldc) {
+  if (g_sgemm == nullptr) missing("cblas_sgemm");
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+__attribute__((visibility("default"))) void cblas_dgemm(
+    int order, int ta, int tb, int m, int n, int k, double alpha,
+    const double* a, int lda, const double* b, int ldb, double beta, double* c,
+    int ldc) {
+  if (g_dgemm == nullptr) missing("cblas_dgemm");
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_dgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+__attribute__((visibility("default"))) void cblas_cgemm(
+    int order, int ta, int tb, int m, int n, int k, const void* alpha,
+    const void* a, int lda, const void* b, int ldb, const void* beta, void* c,
+    int ldc) {
+  if (g_cgemm == nullptr) missing("cblas_cgemm");
+  g_calls.fetch_add(1, std::memory_order_relaxed);
+  g_cgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+}  // extern "C"

@@ -1,0 +1,203 @@
+"""Fast BLAS for MLX's CPU backend on Linux.
+
+MLX's Linux CPU wheel links a reference BLAS, which makes every CPU matmul
+about 50x slower than an optimized one. This module loads a small shim
+library (``libmtplx_blas_shim.so``, built with the package) that exports the
+``cblas_sgemm`` / ``cblas_dgemm`` / ``cblas_cgemm`` symbols libmlx imports and
+forwards them to OpenBLAS from the ``scipy-openblas32`` wheel (whose own
+symbols carry a ``scipy_`` prefix, so they never clash with anything).
+
+The shim must be in the process's global symbol scope *before* libmlx is
+loaded, i.e. before ``mlx.core`` is first imported: ``import mtplx_ext`` does
+this as its very first step. When ``mlx.core`` was already imported, MLX keeps
+its reference BLAS for the life of the process; :func:`load` then leaves
+everything as it is and reports it (``BlasStatus.active`` is False and
+``reason`` says why) with a warning.
+
+Environment:
+    MTPLX_BLAS: ``auto`` (default: OpenBLAS when available on Linux),
+        ``openblas`` (as auto, but warn when it cannot be used), or
+        ``reference`` (never load it; MLX keeps its bundled BLAS).
+    MTPLX_BLAS_THREADS: OpenBLAS thread count (default: the CPUs this process
+        may run on, at most 8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["BlasStatus", "load", "status", "gemm_calls", "describe"]
+
+_SHIM_NAME = "libmtplx_blas_shim.so"
+_MAX_DEFAULT_THREADS = 8
+
+
+@dataclass(frozen=True)
+class BlasStatus:
+    """Which BLAS MLX's CPU matmuls use in this process.
+
+    Attributes:
+        name: ``"openblas"``, ``"reference"`` (the BLAS bundled with the mlx
+            Linux wheel) or ``"accelerate"`` (macOS, MLX's own choice).
+        active: True when MLX's GEMM calls go through the shim to OpenBLAS.
+        reason: why the shim is not active (empty when it is).
+        library: path of the OpenBLAS library in use, or "".
+        version: the OpenBLAS configuration string, or "".
+        threads: OpenBLAS threads, or 0 when not active.
+    """
+
+    name: str
+    active: bool
+    reason: str = ""
+    library: str = ""
+    version: str = ""
+    threads: int = 0
+
+
+_status: BlasStatus | None = None
+_shim: ctypes.CDLL | None = None
+
+
+def _default_threads() -> int:
+    env = os.environ.get("MTPLX_BLAS_THREADS")
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(
+                f"MTPLX_BLAS_THREADS must be a positive integer, got {env!r}"
+            ) from None
+        if n < 1:
+            raise ValueError(f"MTPLX_BLAS_THREADS must be >= 1, got {n}")
+        return n
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, _MAX_DEFAULT_THREADS))
+
+
+def _find_openblas() -> Path | None:
+    # Locate the wheel without importing it: its __init__ loads the library
+    # itself, which is harmless but not needed here.
+    spec = importlib.util.find_spec("scipy_openblas32")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    if not lib_dir.is_dir():
+        return None
+    libs = sorted(p for p in lib_dir.iterdir() if p.name.startswith("libscipy_openblas") and ".so" in p.name)
+    return libs[0] if libs else None
+
+
+def _reference(reason: str) -> BlasStatus:
+    return BlasStatus(name="reference", active=False, reason=reason)
+
+
+def load() -> BlasStatus:
+    """Routes MLX's CPU GEMMs to OpenBLAS if that is still possible.
+
+    Safe to call many times; only the first call acts. Must run before
+    ``mlx.core`` is first imported to have any effect.
+
+    Returns:
+        The resulting :class:`BlasStatus` (also kept for :func:`status`).
+    """
+    global _status, _shim
+    if _status is not None:
+        return _status
+    if sys.platform == "darwin":
+        _status = BlasStatus(name="accelerate", active=False, reason="macOS: MLX uses Accelerate")
+        return _status
+    if not sys.platform.startswith("linux"):
+        _status = _reference(f"no fast BLAS route on {sys.platform}")
+        return _status
+
+    mode = os.environ.get("MTPLX_BLAS", "auto").strip().lower()
+    if mode not in ("auto", "openblas", "reference"):
+        raise ValueError(
+            f"MTPLX_BLAS must be 'auto', 'openblas' or 'reference', got {mode!r}"
+        )
+    if mode == "reference":
+        _status = _reference("disabled by MTPLX_BLAS=reference")
+        return _status
+
+    threads = _default_threads()  # validates MTPLX_BLAS_THREADS up front
+
+    def fail(reason: str) -> BlasStatus:
+        if mode == "openblas":
+            warnings.warn(f"mtplx_ext: fast BLAS not loaded: {reason}", RuntimeWarning, stacklevel=3)
+        return _reference(reason)
+
+    if "mlx.core" in sys.modules:
+        # libmlx is already bound to its bundled reference BLAS.
+        reason = (
+            "mlx.core was imported before mtplx_ext, so MLX keeps its reference "
+            "BLAS in this process (CPU matmuls ~50x slower); import mtplx_ext "
+            "before mlx to get OpenBLAS"
+        )
+        warnings.warn(f"mtplx_ext: {reason}", RuntimeWarning, stacklevel=3)
+        _status = _reference(reason)
+        return _status
+
+    shim_path = Path(__file__).with_name(_SHIM_NAME)
+    if not shim_path.exists():
+        _status = fail(f"{_SHIM_NAME} is not installed next to mtplx_ext")
+        return _status
+    openblas = _find_openblas()
+    if openblas is None:
+        _status = fail("the scipy-openblas32 package is not installed (pip install scipy-openblas32)")
+        return _status
+
+    try:
+        shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        _status = fail(f"cannot load {shim_path.name}: {e}")
+        return _status
+    shim.mtplx_blas_bind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    shim.mtplx_blas_bind.restype = ctypes.c_int
+    shim.mtplx_blas_error.restype = ctypes.c_char_p
+    shim.mtplx_blas_config.restype = ctypes.c_char_p
+    shim.mtplx_blas_calls.restype = ctypes.c_longlong
+    shim.mtplx_blas_set_threads.argtypes = [ctypes.c_int]
+    if shim.mtplx_blas_bind(str(openblas).encode(), b"scipy_") != 0:
+        # The shim is global now but unbound: any GEMM through it would abort,
+        # so this is an error, not a fallback.
+        raise ImportError(
+            f"mtplx_ext: fast BLAS shim failed to bind {openblas}: "
+            f"{shim.mtplx_blas_error().decode()}; set MTPLX_BLAS=reference to run without it"
+        )
+    shim.mtplx_blas_set_threads(threads)
+    _shim = shim
+    _status = BlasStatus(
+        name="openblas",
+        active=True,
+        library=str(openblas),
+        version=shim.mtplx_blas_config().decode(),
+        threads=shim.mtplx_blas_get_threads(),
+    )
+    return _status
+
+
+def status() -> BlasStatus:
+    """The BLAS in use (runs :func:`load` first if nothing has yet)."""
+    return _status if _status is not None else load()
+
+
+def gemm_calls() -> int:
+    """GEMM calls forwarded to OpenBLAS so far (-1 when the shim is not loaded)."""
+    return int(_shim.mtplx_blas_calls()) if _shim is not None else -1
+
+
+def describe() -> str:
+    """One line for reports, e.g. ``openblas (OpenBLAS 0.3.x ..., 2 threads)``."""
+    s = status()
+    if s.active:
+        return f"openblas ({s.version}, {s.threads} threads)"
+    return f"{s.name} ({s.reason})"
