@@ -13,11 +13,16 @@ _check_extension()
 
 from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
 from mtplx_ext.verify import verify_greedy  # noqa: E402
+from mtplx_ext.runtime import MTPRuntime  # noqa: E402
+from mtplx_ext.checkpoint import init_random, load  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BLAS",
+    "MTPRuntime",
+    "init_random",
+    "load",
     "restore_state",
     "snapshot_state",
     "verify_greedy",

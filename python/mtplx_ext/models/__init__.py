@@ -1,0 +1,58 @@
+"""MTP head layouts (one module each) and the trunk helpers they share.
+
+Each layout module exposes `LAYOUT`, `PREFIX`, `DEFAULT_HIDDEN_SOURCE`,
+`ModelArgs.from_config(config)`, `detect(weights, config)` and `Model(args,
+trunk)` (an `MTPHead` with `sanitize` / `checkpoint_weights`).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from mtplx_ext.models import qwen3_next_head
+
+_LAYOUTS: dict[str, ModuleType] = {
+    qwen3_next_head.LAYOUT: qwen3_next_head,
+}
+
+# Head layout a family's own checkpoints use; anything else gets qwen3_next.
+FAMILY_DEFAULT_LAYOUT = {
+    "qwen3": "qwen3_next",
+    "qwen3_next": "qwen3_next",
+    "qwen3_5": "qwen3_next",
+    "deepseek_v3": "deepseek",
+    "glm4_moe": "deepseek",
+    "mimo": "mimo",
+}
+
+
+def head_layouts() -> tuple[str, ...]:
+    """Names of the supported head layouts."""
+    return tuple(_LAYOUTS)
+
+
+def layout_module(layout: str) -> ModuleType:
+    """The module implementing a head layout.
+
+    Raises:
+        ValueError: naming the unknown layout and the supported ones.
+    """
+    try:
+        return _LAYOUTS[layout]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown head_layout {layout!r}; supported: {', '.join(_LAYOUTS)} or None"
+        ) from None
+
+
+def detect_layout(weights: dict, config: dict) -> str | None:
+    """The head layout whose weights a checkpoint holds, or None."""
+    for name, mod in _LAYOUTS.items():
+        if mod.detect(weights, config):
+            return name
+    return None
+
+
+def register(mod: ModuleType) -> None:
+    """Adds a head layout module (used by the layout modules below)."""
+    _LAYOUTS[mod.LAYOUT] = mod

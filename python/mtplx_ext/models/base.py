@@ -1,0 +1,146 @@
+"""Shared pieces of the MTP head layouts: args, the layer loop, weight maps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_attention_mask
+
+from mtplx_ext.models import trunk as trunk_lib
+
+HIDDEN_SOURCES = ("pre_norm", "post_norm")
+
+
+@dataclass
+class HeadArgs:
+    """Settings every head layout shares.
+
+    Attributes:
+        hidden_size: trunk hidden size H.
+        rms_norm_eps: epsilon of the head's RMSNorms.
+        hidden_source: "post_norm" if the head consumes the trunk's hidden
+            state after its final norm, "pre_norm" if before it.
+    """
+
+    hidden_size: int
+    rms_norm_eps: float
+    hidden_source: str
+
+    @classmethod
+    def from_config(cls, config: dict, default_source: str) -> "HeadArgs":
+        source = config.get("mtp_hidden_source") or default_source
+        if source not in HIDDEN_SOURCES:
+            raise ValueError(
+                f"config field mtp_hidden_source must be one of {HIDDEN_SOURCES}, got {source!r}"
+            )
+        return cls(
+            hidden_size=int(config["hidden_size"]),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            hidden_source=source,
+        )
+
+
+class MTPHead(nn.Module):
+    """Base of the head layouts: combine, one attention layer, final norm.
+
+    Subclasses build their own submodules (named as in their checkpoints)
+    and implement `combine`, `final_norm`, `layer_list` and `logits`.
+    """
+
+    layout: str = ""
+    prefix: str = ""
+    zero_centred_norms: bool = False
+
+    def __init__(self, args: HeadArgs, trunk: nn.Module):
+        super().__init__()
+        self.args = args
+        self._array_mask = trunk_lib.uses_array_mask(trunk)
+
+    def combine(self, hidden: mx.array, embeds: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def final_norm(self, x: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def layer_list(self) -> list[nn.Module]:
+        raise NotImplementedError
+
+    def logits(self, x: mx.array, trunk: nn.Module) -> mx.array:
+        """Output projection; by default the trunk's shared lm_head."""
+        return trunk_lib.project(trunk, x)
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache: list | None = None) -> mx.array:
+        """Head hidden states for the token after next.
+
+        Args:
+            hidden: [B, T, H] trunk hidden states at positions t.
+            embeds: [B, T, H] embeddings of the tokens at t + 1.
+            cache: one cache per head layer, or None.
+
+        Returns:
+            [B, T, H] normed head hidden states (input of `logits`).
+        """
+        x = self.combine(hidden, embeds)
+        layers = self.layer_list()
+        if cache is None:
+            cache = [None] * len(layers)
+        mask = create_attention_mask(x, cache[0], return_array=self._array_mask)
+        for layer, c in zip(layers, cache):
+            x = layer(x, mask, c)
+        return self.final_norm(x)
+
+    # -- checkpoint names ------------------------------------------------
+
+    def norm_weight_names(self) -> set[str]:
+        """Module-relative names of every RMSNorm weight in the head."""
+        return {
+            f"{name}.weight"
+            for name, m in self.named_modules()
+            if isinstance(m, nn.RMSNorm) and name
+        }
+
+    def to_checkpoint_name(self, name: str) -> str:
+        """Checkpoint key of a module-relative parameter name."""
+        return self.prefix + name
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint head weights -> module-relative names and values.
+
+        Args:
+            weights: the head's checkpoint entries (full checkpoint keys).
+
+        Returns:
+            Weights to load with `load_weights`; zero-centred norms get +1.
+        """
+        out = {k[len(self.prefix):]: v for k, v in weights.items() if k.startswith(self.prefix)}
+        if self.zero_centred_norms:
+            for k in self.norm_weight_names() & out.keys():
+                out[k] = out[k] + 1.0
+        return out
+
+    def checkpoint_weights(self) -> dict[str, mx.array]:
+        """The head's parameters under checkpoint names, as stored on disk."""
+        norms = self.norm_weight_names() if self.zero_centred_norms else set()
+        out = {}
+        for name, v in tree_flatten(self.parameters()):
+            out[self.to_checkpoint_name(name)] = v - 1.0 if name in norms else v
+        return out
+
+
+def take_prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Removes and returns the entries of `weights` whose key starts with prefix."""
+    keys = [k for k in weights if k.startswith(prefix)]
+    return {k: weights.pop(k) for k in keys}
+
+
+def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: int) -> None:
+    """Stacks per-expert HF weights into mlx-lm's `switch_mlp` layout, in place."""
+    if f"{mlp_prefix}.experts.0.up_proj.weight" not in weights:
+        return
+    for n in ("up_proj", "down_proj", "gate_proj"):
+        parts = [weights.pop(f"{mlp_prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
+        weights[f"{mlp_prefix}.switch_mlp.{n}.weight"] = mx.stack(parts)

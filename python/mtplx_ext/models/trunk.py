@@ -1,0 +1,143 @@
+"""Trunk helpers: mlx-lm model classes, hidden states, caches, head layers.
+
+The trunk is always mlx-lm's own `Model` of its family; these functions
+only re-run its layer loop so the hidden state before the final norm is
+available to MTP heads that consume it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, create_ssm_mask
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
+from mlx_lm.utils import MODEL_REMAPPING
+
+# Families whose attention applies the mask with mx.where and so needs an
+# array mask, never the "causal" string.
+_ARRAY_MASK_FAMILIES = frozenset({"deepseek_v3"})
+
+
+def trunk_module(model_type: str) -> ModuleType:
+    """Imports the mlx-lm module of a model family.
+
+    Args:
+        model_type: the config's `model_type`, e.g. "qwen3".
+
+    Returns:
+        The `mlx_lm.models.<family>` module (with `Model` and `ModelArgs`).
+
+    Raises:
+        ValueError: if mlx-lm has no such family.
+    """
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
+    name = MODEL_REMAPPING.get(model_type, model_type)
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"unknown model_type {model_type!r}")
+    try:
+        return importlib.import_module(f"mlx_lm.models.{name}")
+    except ImportError as e:
+        raise ValueError(f"unknown model_type {model_type!r}: mlx-lm has no such family") from e
+
+
+def family_of(trunk: nn.Module) -> str:
+    """The mlx-lm family name of a trunk model (its module's short name)."""
+    return type(trunk).__module__.rsplit(".", 1)[-1]
+
+
+def uses_array_mask(trunk: nn.Module) -> bool:
+    """Whether the family's attention needs an array mask."""
+    return family_of(trunk) in _ARRAY_MASK_FAMILIES
+
+
+def is_recurrent(layer: nn.Module) -> bool:
+    """Whether a trunk layer keeps recurrent (non-trimmable) state."""
+    return bool(getattr(layer, "is_linear", False))
+
+
+def trunk_hidden(trunk: nn.Module, tokens: mx.array, cache: list | None = None) -> mx.array:
+    """Runs the trunk's layers and returns the hidden state before the final norm.
+
+    Mirrors the layer loop of mlx-lm's inner models (attention mask from the
+    first attention layer's cache, SSM mask from the first recurrent one), so
+    `final_norm` of the result equals what the family's `model(...)` returns.
+
+    Args:
+        trunk: an mlx-lm `Model`.
+        tokens: [B, T] token ids.
+        cache: one cache per layer, or None.
+
+    Returns:
+        [B, T, H] hidden states.
+    """
+    inner = trunk.model
+    h = inner.embed_tokens(tokens)
+    layers = inner.layers
+    if cache is None:
+        cache = [None] * len(layers)
+    attn_idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
+    ssm_idx = next((i for i, l in enumerate(layers) if is_recurrent(l)), None)
+    fa_mask = ssm_mask = None
+    if attn_idx is not None:
+        fa_mask = create_attention_mask(h, cache[attn_idx], return_array=uses_array_mask(trunk))
+    if ssm_idx is not None:
+        ssm_mask = create_ssm_mask(h, cache[ssm_idx])
+    for layer, c in zip(layers, cache):
+        h = layer(h, ssm_mask if is_recurrent(layer) else fa_mask, c)
+    return h
+
+
+def final_norm(trunk: nn.Module, hidden: mx.array) -> mx.array:
+    """Applies the trunk's final norm."""
+    return trunk.model.norm(hidden)
+
+
+def project(trunk: nn.Module, normed: mx.array) -> mx.array:
+    """The trunk's output projection (lm_head, or the tied embedding)."""
+    if getattr(trunk.args, "tie_word_embeddings", False) or "lm_head" not in trunk:
+        return trunk.model.embed_tokens.as_linear(normed)
+    return trunk.lm_head(normed)
+
+
+def make_trunk_cache(trunk: nn.Module, left_padding: list[int]) -> list[Any]:
+    """Batch-aware caches, one per trunk layer, for left-padded prompts."""
+    return make_layer_caches(trunk.model.layers, left_padding)
+
+
+def make_layer_caches(layers: list[nn.Module], left_padding: list[int]) -> list[Any]:
+    """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`."""
+    return [
+        ArraysCache(size=2, left_padding=list(left_padding))
+        if is_recurrent(l)
+        else BatchKVCache(list(left_padding))
+        for l in layers
+    ]
+
+
+def make_attention_layer(trunk: nn.Module) -> nn.Module:
+    """A fresh full-attention decoder layer of the trunk's family, for a head.
+
+    The layer is built like the trunk's own layers (same class and args), at
+    an index that makes it a full-attention layer: for hybrid families the
+    first attention layer's index, for DeepSeek the MTP layer's index (so it
+    is a MoE layer when the trunk's later layers are).
+    """
+    args = trunk.args
+    family = family_of(trunk)
+    layers = trunk.model.layers
+    idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
+    if family == "qwen3_next":
+        return type(layers[0])(args, args.full_attention_interval - 1)
+    if family == "deepseek_v3":
+        return type(layers[0])(args, args.num_hidden_layers)
+    if idx is None:
+        raise ValueError(f"trunk family {family!r} has no full-attention layer to copy")
+    try:
+        return type(layers[idx])(args)
+    except TypeError:
+        return type(layers[idx])(args, idx)

@@ -1,0 +1,165 @@
+"""MTPRuntime: an mlx-lm trunk plus its MTP head, with the calls decoding needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtplx_ext.models import trunk as trunk_lib
+from mtplx_ext.models.base import MTPHead
+
+
+def _check_tokens(name: str, tokens: object, vocab_size: int) -> mx.array:
+    if not isinstance(tokens, mx.array):
+        raise TypeError(f"{name} must be an mx.array, got {type(tokens).__name__}")
+    if tokens.ndim != 2:
+        raise ValueError(f"{name} must have shape [B, T], got {tuple(tokens.shape)}")
+    if not mx.issubdtype(tokens.dtype, mx.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {tokens.dtype}")
+    if tokens.size == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(tokens.shape)}")
+    return tokens
+
+
+def _check_left_padding(left_padding: object) -> list[int]:
+    if isinstance(left_padding, (str, bytes)) or not hasattr(left_padding, "__len__"):
+        raise TypeError("left_padding must be a list of non-negative ints")
+    pads = [int(p) for p in left_padding]
+    if not pads or any(p < 0 for p in pads):
+        raise ValueError(f"left_padding must be a non-empty list of ints >= 0, got {left_padding!r}")
+    return pads
+
+
+class MTPRuntime(nn.Module):
+    """An mlx-lm trunk and its MTP head (or none), as one trainable module.
+
+    Attributes:
+        trunk: the mlx-lm `Model` of the trunk family (its own call works).
+        head: the MTP head, or None when the checkpoint has no MTP weights.
+        model_type: trunk family, e.g. "qwen3" or "qwen3_next".
+        head_layout: "qwen3_next", "deepseek", "mimo" or None.
+        config: the full config.json contents.
+        tokenizer: a `tokenizers.Tokenizer`, or None.
+        vocab_size: vocabulary size of the logits.
+    """
+
+    def __init__(
+        self,
+        trunk: nn.Module,
+        head: MTPHead | None,
+        config: dict,
+        tokenizer: Any = None,
+    ):
+        super().__init__()
+        self.trunk = trunk
+        if head is not None:
+            self["head"] = head
+        # Plain attributes: nn.Module would treat a dict as a parameter tree.
+        object.__setattr__(self, "_config", dict(config))
+        self.tokenizer = tokenizer
+        self.model_type = str(config["model_type"])
+        self.head_layout = head.layout if head is not None else None
+        self.vocab_size = int(config["vocab_size"])
+
+    @property
+    def config(self) -> dict:
+        return self._config
+
+    @property
+    def has_mtp(self) -> bool:
+        return "head" in self
+
+    @property
+    def head(self) -> MTPHead | None:  # type: ignore[override]
+        return self.get("head")
+
+    @property
+    def hidden_source(self) -> str | None:
+        """"pre_norm" or "post_norm": where the head taps the trunk; None without a head."""
+        return self.head.args.hidden_source if self.has_mtp else None
+
+    # -- caches ------------------------------------------------------------
+
+    def make_cache(self, left_padding: list[int]) -> list:
+        """Batch-aware trunk caches, one per layer.
+
+        Args:
+            left_padding: per-row count of pad tokens on the left of the
+                prompts (its length is the batch size).
+
+        Returns:
+            `BatchKVCache` for attention layers, `ArraysCache(2,
+            left_padding=...)` for recurrent layers.
+        """
+        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding))
+
+    def make_head_cache(self, left_padding: list[int]) -> list:
+        """Batch-aware caches for the head's attention layer(s)."""
+        pads = _check_left_padding(left_padding)
+        if not self.has_mtp:
+            raise ValueError("this model has no MTP head (head_layout is None)")
+        return trunk_lib.make_layer_caches(self.head.layer_list(), pads)
+
+    # -- forwards ----------------------------------------------------------
+
+    def forward(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+        """Trunk forward returning logits and the hidden states the head consumes.
+
+        Args:
+            tokens: [B, T] int token ids.
+            cache: caches from `make_cache`, or None (differentiable).
+
+        Returns:
+            (logits [B, T, V], head_hidden [B, T, H]); head_hidden is taken
+            before or after the final norm as the head layout says (after it
+            when there is no head).
+        """
+        tokens = _check_tokens("tokens", tokens, self.vocab_size)
+        pre = trunk_lib.trunk_hidden(self.trunk, tokens, cache)
+        post = trunk_lib.final_norm(self.trunk, pre)
+        logits = trunk_lib.project(self.trunk, post)
+        return logits, (pre if self.hidden_source == "pre_norm" else post)
+
+    def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+        return self.forward(tokens, cache)
+
+    def head_forward(
+        self,
+        hidden: mx.array,
+        next_tokens: mx.array,
+        head_cache: list | None = None,
+    ) -> mx.array:
+        """The MTP head's logits for the token after next.
+
+        Args:
+            hidden: [B, T, H] head_hidden from `forward` at positions t.
+            next_tokens: [B, T] the tokens at positions t + 1.
+            head_cache: caches from `make_head_cache`, or None.
+
+        Returns:
+            [B, T, V] logits for the tokens at t + 2.
+        """
+        if not self.has_mtp:
+            raise ValueError("this model has no MTP head (head_layout is None)")
+        next_tokens = _check_tokens("next_tokens", next_tokens, self.vocab_size)
+        if not isinstance(hidden, mx.array) or hidden.ndim != 3:
+            raise ValueError("hidden must be an mx.array of shape [B, T, H]")
+        if tuple(hidden.shape[:2]) != tuple(next_tokens.shape):
+            raise ValueError(
+                f"hidden {tuple(hidden.shape)} and next_tokens {tuple(next_tokens.shape)} "
+                "must agree on [B, T]"
+            )
+        embeds = self.trunk.model.embed_tokens(next_tokens)
+        x = self.head(hidden, embeds, head_cache)
+        return self.head.logits(x, self.trunk)
+
+    # -- persistence -------------------------------------------------------
+
+    def save(self, path: str | Path) -> None:
+        """Writes an HF-style folder (config.json, model.safetensors, tokenizer.json)."""
+        from mtplx_ext.checkpoint import save_runtime
+
+        save_runtime(self, path)
