@@ -1,6 +1,6 @@
 """MTP head layouts (one module each) and the trunk helpers they share.
 
-Each layout module exposes `LAYOUT`, `PREFIX`, `DEFAULT_HIDDEN_SOURCE`,
+Each layout module exposes `LAYOUT`, `DEFAULT_HIDDEN_SOURCE`,
 `ModelArgs.from_config(config)`, `detect(weights, config)` and `Model(args,
 trunk)` (an `MTPHead` with `sanitize` / `checkpoint_weights`).
 """
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from mtplx_ext.models import qwen3_next_head
+from mtplx_ext.models import deepseek_head, mimo_head, qwen3_next_head
 
 _LAYOUTS: dict[str, ModuleType] = {
     qwen3_next_head.LAYOUT: qwen3_next_head,
+    deepseek_head.LAYOUT: deepseek_head,
+    mimo_head.LAYOUT: mimo_head,
 }
 
 # Head layout a family's own checkpoints use; anything else gets qwen3_next.
@@ -52,7 +54,3 @@ def detect_layout(weights: dict, config: dict) -> str | None:
             return name
     return None
 
-
-def register(mod: ModuleType) -> None:
-    """Adds a head layout module (used by the layout modules below)."""
-    _LAYOUTS[mod.LAYOUT] = mod

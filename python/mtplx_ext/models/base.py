@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -144,3 +145,50 @@ def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: in
     for n in ("up_proj", "down_proj", "gate_proj"):
         parts = [weights.pop(f"{mlp_prefix}.experts.{e}.{n}.weight") for e in range(num_experts)]
         weights[f"{mlp_prefix}.switch_mlp.{n}.weight"] = mx.stack(parts)
+
+
+class FlatBlockHead(MTPHead):
+    """A head whose decoder layer's weights sit directly under its prefix.
+
+    DeepSeek and MiMo checkpoints store the layer's `self_attn.*`, `mlp.*`
+    and norms next to the head's own modules. The module keeps the layer as
+    `block`; names outside `own_modules` map to it. The layer's weights pass
+    through the trunk family's own `sanitize` (expert stacking, MLA weight
+    splitting, fp8 dequantisation) as if they were trunk layer 0.
+    """
+
+    own_modules: tuple[str, ...] = ()
+    ignored_modules: tuple[str, ...] = ()
+
+    def __init__(self, args: HeadArgs, trunk: nn.Module, prefix: str):
+        super().__init__(args, trunk)
+        self.prefix = prefix
+        self._trunk_cls = type(trunk)
+        self._trunk_args = trunk.args
+
+    def layer_list(self) -> list[nn.Module]:
+        return [self.block]
+
+    def to_checkpoint_name(self, name: str) -> str:
+        if name.startswith("block."):
+            name = name[len("block."):]
+        return self.prefix + name
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        rel = {k[len(self.prefix):]: v for k, v in weights.items() if k.startswith(self.prefix)}
+        own, block = {}, {}
+        for k, v in rel.items():
+            top = k.split(".", 1)[0]
+            if top in self.ignored_modules:
+                continue
+            (own if top in self.own_modules else block)[f"model.layers.0.{k}"] = v
+        if block and hasattr(self._trunk_cls, "sanitize"):
+            shim = SimpleNamespace(args=self._trunk_args)
+            block = self._trunk_cls.sanitize(shim, block)
+        lead = len("model.layers.0.")
+        out = {k[lead:]: v for k, v in own.items()}
+        out.update({"block." + k[lead:]: v for k, v in block.items() if k.startswith("model.layers.0.")})
+        if self.zero_centred_norms:
+            for k in self.norm_weight_names() & out.keys():
+                out[k] = out[k] + 1.0
+        return out
