@@ -1,0 +1,535 @@
+"""Batched MTP decoding with uniform full-batch repair (greedy for now).
+
+Each cycle, for every stream of the batch: x0 (the target's token, from the
+previous cycle or the prefill) and the head's draft of the token after x0;
+one [B, 2] verification forward of [x0, draft]; one bundle
+(x0, draft, second, accept, bonus) per stream from the token policy; ONE
+blocking host read of that bundle. A stream commits x0 and `second` (the
+draft when accepted, the target's own token when not). When any live stream
+rejected, the whole batch rolls back to before the verification (recurrent
+snapshot restored, KV trimmed by 2) and re-forwards [x0, second]; streams
+that accepted come out unchanged. The next x0 is the bonus (accepted) or the
+target's token after `second` from the repair forward.
+
+The head keeps a KV cache of (hidden at t, token t + 1) pairs in step with
+the trunk: after each cycle it consumes both committed positions, and its
+last output is the next draft.
+
+All arrays stay on the device between cycles; the host only reads bundles.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx_ext import cache_state
+from mtplx_ext.verify import (
+    COL_ACCEPT,
+    COL_BONUS,
+    COL_SECOND,
+    COL_X0,
+    INVALID,
+    verify_greedy,
+)
+
+REJECT_MODES = ("repair",)
+#: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
+PREFILL_STEP = 2048
+
+OnCommit = Callable[[int, list[int]], None]
+
+
+@dataclass
+class StreamResult:
+    """One stream's generated tokens.
+
+    Attributes:
+        tokens: committed token ids (a final stop token is kept).
+        finish_reason: "stop" (a stop token was committed) or "length"
+            (max_new_tokens reached).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class BatchedDecodeResult:
+    """Tokens and statistics of one batched decode.
+
+    Attributes:
+        streams: one `StreamResult` per prompt, in prompt order.
+        cycles: decode cycles, each ending in one bundle read.
+        forwards: trunk forwards during decode: verification and repair
+            forwards (MTP), or one per token after the first (plain
+            decoding). The prefill is not counted.
+        repair_cycles: cycles that ran a repair forward.
+        drafted: drafts whose verdict mattered (the stream went on after x0).
+        accepted: those drafts that were accepted (committed).
+        host_syncs: blocking host reads during decode (one per cycle).
+        prefill_s: seconds from the call to the end of the prefill.
+        decode_s: seconds of the decode cycles.
+    """
+
+    streams: list[StreamResult]
+    cycles: int = 0
+    forwards: int = 0
+    repair_cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    host_syncs: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens committed over all streams."""
+        return sum(len(s.tokens) for s in self.streams)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Committed tokens over all streams per second of decode."""
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class TokenPolicy(Protocol):
+    """The pluggable token choice and verification step of the loop.
+
+    Every method only builds device graph; nothing is read on the host.
+    Tokens a policy cannot choose (non-finite logits) come out as INVALID.
+    """
+
+    def pick(self, logits: mx.array) -> mx.array:
+        """[B, V] target logits -> [B] int32 token (prefill, repair, plain decoding)."""
+
+    def draft(self, head_logits: mx.array) -> tuple[mx.array, Any]:
+        """[B, V] head logits -> ([B] int32 draft, what `verify` needs of it)."""
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any) -> mx.array:
+        """[B, 2, V] logits at (x0, draft), [B, 2] tokens -> [B, 5] int32 bundle."""
+
+
+class GreedyPolicy:
+    """Temperature 0: argmax choices, draft accepted iff it equals the argmax."""
+
+    def pick(self, logits: mx.array) -> mx.array:
+        # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
+        # argmax of the first row, accept is -1 when that row is unusable.
+        b = verify_greedy(mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32))
+        return mx.where(b[:, COL_ACCEPT] < 0, INVALID, b[:, COL_SECOND])
+
+    def draft(self, head_logits: mx.array) -> tuple[mx.array, Any]:
+        return self.pick(head_logits), None
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any) -> mx.array:
+        return verify_greedy(verify_logits, tokens)
+
+
+def make_policy(sampler: Any = None, seed: int | None = None, row_seeds: Sequence[int] | None = None) -> TokenPolicy:
+    """The token policy for a sampler setting.
+
+    Args:
+        sampler: None, or an object with a `temperature` attribute.
+        seed, row_seeds: random seeds of the sampled path.
+
+    Raises:
+        NotImplementedError: for temperature > 0 (sampled decoding).
+        TypeError / ValueError: for an unusable sampler.
+    """
+    if sampler is None:
+        return GreedyPolicy()
+    temperature = getattr(sampler, "temperature", None)
+    if temperature is None:
+        raise TypeError(f"sampler must be None or have a temperature, got {type(sampler).__name__}")
+    temperature = float(temperature)
+    if not temperature >= 0.0:
+        raise ValueError(f"sampler.temperature must be >= 0, got {temperature}")
+    if temperature == 0.0:
+        return GreedyPolicy()
+    raise NotImplementedError("sampled decoding (temperature > 0) is not implemented yet")
+
+
+# -- argument checks ---------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes, mx.array)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        for j, t in enumerate(p):
+            if not _is_int(t):
+                raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__}")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}] = {t} is outside the vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def _check_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError("stop_token_ids must be a collection of int token ids")
+    ids = list(stop_token_ids)
+    for t in ids:
+        if not _is_int(t):
+            raise TypeError(f"stop_token_ids must hold int token ids, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(int(t) for t in ids)
+
+
+def _model_tokens(tokens: mx.array) -> mx.array:
+    # INVALID rows only occur for finished or failing streams; feed them a
+    # valid id so the embedding never reads out of bounds (the raw ids still
+    # go to verification, which flags them).
+    return mx.maximum(tokens, 0)
+
+
+# -- the loop ------------------------------------------------------------------
+
+
+@dataclass
+class _Pending:
+    """A launched verification (or plain) step whose bundle is not read yet."""
+
+    bundle: mx.array
+    hidden: mx.array | None = None
+    snapshot: cache_state.RecurrentSnapshot | None = None
+
+
+class _Decoder:
+    """Device-graph builders of one batched decode (no host reads here)."""
+
+    def __init__(self, runtime: Any, policy: TokenPolicy, cache: list, head_cache: list | None):
+        self.rt = runtime
+        self.policy = policy
+        self.cache = cache
+        self.head_cache = head_cache
+        self.recurrent = cache_state.has_recurrent_state(cache)
+
+    def caches(self) -> list[list]:
+        return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
+
+    def prefill(self, padded: mx.array) -> tuple[mx.array, Any]:
+        """Prompt forward (chunked) and the head's prefill; returns ([B, 2] or [B, 1] tokens, draft info)."""
+        T = padded.shape[1]
+        hiddens = []
+        logits = None
+        for s in range(0, T, PREFILL_STEP):
+            logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache)
+            hiddens.append(hidden)
+            mx.async_eval([c.state for c in self.cache])
+        x0 = self.policy.pick(logits[:, -1])
+        cache_state.finish_prefill(self.cache)
+        if self.head_cache is None:
+            return x0[:, None], None
+        # The head consumes (hidden at t, token t + 1): the prompt shifted by
+        # one, then x0 after the last prompt position.
+        nxt = mx.concatenate([padded[:, 1:], _model_tokens(x0)[:, None]], axis=1)
+        head_logits = None
+        for i, s in enumerate(range(0, T, PREFILL_STEP)):
+            head_logits = self.rt.head_forward(hiddens[i], nxt[:, s : s + PREFILL_STEP], self.head_cache)
+        cache_state.finish_prefill(self.head_cache)
+        draft, info = self.policy.draft(head_logits[:, -1])
+        return mx.stack([x0, draft], axis=1), info
+
+    def verify_step(self, tokens: mx.array, info: Any) -> _Pending:
+        """Snapshot, [B, 2] verification forward and the bundle."""
+        snap = cache_state.snapshot_recurrent(self.cache) if self.recurrent else None
+        logits, hidden = self.rt.forward(_model_tokens(tokens), self.cache)
+        return _Pending(self.policy.verify(logits, tokens, info), hidden, snap)
+
+    def _head_step(self, hidden: mx.array, second: mx.array, x0_next: mx.array) -> tuple[mx.array, Any]:
+        nxt = _model_tokens(mx.stack([second, x0_next], axis=1))
+        head_logits = self.rt.head_forward(hidden, nxt, self.head_cache)
+        draft, info = self.policy.draft(head_logits[:, -1])
+        return mx.stack([x0_next, draft], axis=1), info
+
+    def after_accept(self, p: _Pending) -> tuple[mx.array, Any]:
+        """Next cycle's (x0, draft) when no live stream rejected."""
+        b = p.bundle
+        return self._head_step(p.hidden, b[:, COL_SECOND], b[:, COL_BONUS])
+
+    def after_repair(self, p: _Pending) -> tuple[mx.array, Any]:
+        """Rolls the batch back and re-forwards [x0, second]; next (x0, draft)."""
+        if p.snapshot is not None:
+            cache_state.restore_recurrent(self.cache, p.snapshot)
+        cache_state.trim_kv(self.cache, 2)
+        b = p.bundle
+        pair = mx.stack([b[:, COL_X0], b[:, COL_SECOND]], axis=1)
+        logits, hidden = self.rt.forward(_model_tokens(pair), self.cache)
+        return self._head_step(hidden, b[:, COL_SECOND], self.policy.pick(logits[:, -1]))
+
+    def plain_step(self, tokens: mx.array) -> _Pending:
+        """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
+        logits, _ = self.rt.forward(_model_tokens(tokens), self.cache)
+        return _Pending(self.policy.pick(logits[:, -1])[:, None])
+
+
+class _Streams:
+    """Host-side bookkeeping: committed tokens, finish reasons, statistics."""
+
+    def __init__(self, n: int, max_new_tokens: int, stop_ids: frozenset[int], on_commit: OnCommit | None):
+        self.result = BatchedDecodeResult(streams=[StreamResult() for _ in range(n)])
+        self.max_new = max_new_tokens
+        self.stop_ids = stop_ids
+        self.on_commit = on_commit
+        self.done = np.zeros(n, dtype=bool)
+        self.count = np.zeros(n, dtype=np.int64)
+
+    def decide(self, tokens: np.ndarray, accept: np.ndarray | None) -> tuple[list, bool]:
+        """Which tokens each stream commits this cycle, and whether to repair.
+
+        Args:
+            tokens: [B, k] candidate tokens in order (k = 2: x0, second).
+            accept: [B] accept column, or None for plain decoding.
+
+        Returns:
+            (commits, repair): per stream (index, tokens, finish reason or
+            None); repair is True when a stream that goes on rejected.
+
+        Raises:
+            RuntimeError: naming the first live stream whose row is invalid.
+        """
+        live = ~self.done
+        bad = live & ((tokens < 0).any(axis=1) if accept is None else accept < 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise RuntimeError(
+                f"stream {i}: invalid decode row (non-finite logits or a token outside "
+                f"the vocabulary) after {self.count[i]} committed tokens"
+            )
+        commits = []
+        repair = False
+        for i in np.flatnonzero(live):
+            new: list[int] = []
+            reason = None
+            for j in range(tokens.shape[1]):
+                if j == 1 and accept is not None:
+                    self.result.drafted += 1
+                    self.result.accepted += int(accept[i] == 1)
+                t = int(tokens[i, j])
+                new.append(t)
+                if t in self.stop_ids:
+                    reason = "stop"
+                elif self.count[i] + len(new) >= self.max_new:
+                    reason = "length"
+                if reason:
+                    break
+            self.count[i] += len(new)
+            if reason:
+                self.done[i] = True
+            elif accept is not None and accept[i] == 0:
+                repair = True
+            commits.append((int(i), new, reason))
+        return commits, repair
+
+    def apply(self, commits: list) -> None:
+        """Appends committed tokens and calls the on_commit callback."""
+        for i, new, reason in commits:
+            s = self.result.streams[i]
+            s.tokens.extend(new)
+            if reason:
+                s.finish_reason = reason
+            if self.on_commit is not None:
+                self.on_commit(i, new)
+
+    def any_live(self) -> bool:
+        return not bool(self.done.all())
+
+
+def _read_bundle(p: _Pending, streams: _Streams) -> np.ndarray:
+    streams.result.host_syncs += 1
+    return np.array(p.bundle)
+
+
+def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    if mtp:
+        return b[:, [COL_X0, COL_SECOND]], b[:, COL_ACCEPT]
+    return b, None
+
+
+def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial: bool) -> None:
+    """The decode cycles, serial or pipelined (same graphs, same forwards)."""
+    res = st.result
+    p = first
+    while True:
+        res.cycles += 1
+        if serial:
+            b = _read_bundle(p, st)
+            commits, repair = st.decide(*_split_bundle(b, mtp))
+            st.apply(commits)
+            if not st.any_live():
+                return
+            if not mtp:
+                p = dec.plain_step(p.bundle)
+            else:
+                if repair:
+                    res.repair_cycles += 1
+                    res.forwards += 1
+                    nxt = dec.after_repair(p)
+                else:
+                    nxt = dec.after_accept(p)
+                p = dec.verify_step(*nxt)
+            res.forwards += 1
+            continue
+
+        # Pipelined: build the next cycle's graph as if every stream accepts
+        # while the device still runs this one; start it only once the
+        # bundle says so, else drop it unevaluated (no extra forward).
+        ckpt = cache_state.checkpoint_caches(*dec.caches())
+        if mtp:
+            spec = dec.verify_step(*dec.after_accept(p))
+        else:
+            spec = dec.plain_step(p.bundle)
+        b = _read_bundle(p, st)
+        commits, repair = st.decide(*_split_bundle(b, mtp))
+        if not st.any_live():
+            cache_state.rollback_caches(ckpt)
+            st.apply(commits)
+            return
+        if repair:
+            cache_state.rollback_caches(ckpt)
+            del spec
+            res.repair_cycles += 1
+            res.forwards += 1
+            spec = dec.verify_step(*dec.after_repair(p))
+        del ckpt
+        mx.async_eval(spec.bundle)
+        res.forwards += 1
+        # Late commit: host bookkeeping and callbacks overlap the device.
+        st.apply(commits)
+        p = spec
+
+
+def generate_batched(
+    runtime: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampler: Any = None,
+    seed: int | None = None,
+    row_seeds: Sequence[int] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    use_mtp_draft: bool = True,
+    reject_mode: str = "repair",
+    serial: bool = False,
+    on_commit: OnCommit | None = None,
+) -> BatchedDecodeResult:
+    """Decodes a batch of prompts with MTP drafts verified in one forward per cycle.
+
+    Args:
+        runtime: an `MTPRuntime` (make_cache, make_head_cache, forward,
+            head_forward, vocab_size, has_mtp).
+        prompts: token-id lists, any lengths (left-padded into one batch;
+            padding never changes a stream's tokens).
+        max_new_tokens: cap on each stream's generated tokens (exact).
+        sampler: None or an object with `temperature` 0 for greedy decoding;
+            temperature > 0 is not implemented yet.
+        seed, row_seeds: seeds of the sampled path (unused when greedy).
+        stop_token_ids: tokens that end a stream (the stop token is kept).
+        use_mtp_draft: False decodes plainly, one token per forward (the
+            baseline), through the same runtime.
+        reject_mode: "repair" (uniform full-batch repair) only.
+        serial: True runs the plain loop; False pipelines graph building
+            and host bookkeeping with the device work. Same tokens and
+            forwards either way.
+        on_commit: called as on_commit(stream index, new token ids) when a
+            stream commits tokens.
+
+    Returns:
+        A `BatchedDecodeResult`.
+
+    Raises:
+        TypeError / ValueError: naming the bad argument.
+        NotImplementedError: sampled decoding (temperature > 0).
+        RuntimeError: naming a stream whose logits or tokens became invalid.
+    """
+    vocab = int(runtime.vocab_size)
+    prompts = _check_prompts(prompts, vocab)
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stop_ids = _check_stop_ids(stop_token_ids, vocab)
+    if reject_mode not in REJECT_MODES:
+        raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError("on_commit must be callable or None")
+    use_mtp_draft = bool(use_mtp_draft)
+    if use_mtp_draft and not runtime.has_mtp:
+        raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
+    policy = make_policy(sampler, seed, row_seeds)
+
+    t0 = time.perf_counter()
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
+    cache = runtime.make_cache(pads)
+    head_cache = runtime.make_head_cache(pads) if use_mtp_draft else None
+    dec = _Decoder(runtime, policy, cache, head_cache)
+    tokens, info = dec.prefill(padded)
+    # A device barrier (no host read) so prefill and decode times separate.
+    mx.eval(tokens, [c.state for c in dec.caches()[0]])
+    t1 = time.perf_counter()
+
+    st = _Streams(len(prompts), max_new_tokens, stop_ids, on_commit)
+    first = dec.verify_step(tokens, info) if use_mtp_draft else _Pending(tokens)
+    if use_mtp_draft:
+        st.result.forwards += 1
+    if not serial:
+        mx.async_eval(first.bundle)
+    _run_cycles(dec, st, first, use_mtp_draft, serial)
+    t2 = time.perf_counter()
+    st.result.prefill_s = t1 - t0
+    st.result.decode_s = t2 - t1
+    return st.result
+
+
+def generate_greedy_batched(
+    runtime: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    use_mtp_draft: bool = True,
+    reject_mode: str = "repair",
+    serial: bool = False,
+    on_commit: OnCommit | None = None,
+) -> BatchedDecodeResult:
+    """Greedy batched MTP decoding: `generate_batched` at temperature 0.
+
+    See `generate_batched` for the arguments and the result.
+    """
+    return generate_batched(
+        runtime,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        use_mtp_draft=use_mtp_draft,
+        reject_mode=reject_mode,
+        serial=serial,
+        on_commit=on_commit,
+    )
