@@ -12,7 +12,7 @@ from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 
 
-def _check_tokens(name: str, tokens: object, vocab_size: int) -> mx.array:
+def _check_tokens(name: str, tokens: object) -> mx.array:
     if not isinstance(tokens, mx.array):
         raise TypeError(f"{name} must be an mx.array, got {type(tokens).__name__}")
     if tokens.ndim != 2:
@@ -103,6 +103,20 @@ class MTPRuntime(nn.Module):
             raise ValueError("this model has no MTP head (head_layout is None)")
         return trunk_lib.make_layer_caches(self.head.layer_list(), pads)
 
+    def check_tokens(self, tokens: object, name: str = "tokens") -> None:
+        """Host-side check that token ids are in the vocabulary (one sync).
+
+        Raises:
+            TypeError / ValueError: naming `name` and the first bad id.
+        """
+        tokens = _check_tokens(name, tokens)
+        bad = (tokens < 0) | (tokens >= self.vocab_size)
+        if bool(bad.any().item()):
+            first = tokens.reshape(-1)[mx.argmax(bad.reshape(-1))].item()
+            raise ValueError(
+                f"{name} holds token id {first} outside the vocabulary [0, {self.vocab_size})"
+            )
+
     # -- forwards ----------------------------------------------------------
 
     def forward(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
@@ -115,10 +129,12 @@ class MTPRuntime(nn.Module):
         Returns:
             (logits [B, T, V], head_hidden [B, T, H]); head_hidden is taken
             before or after the final norm as the head layout says (after it
-            when there is no head).
+            when there is no head). A token id outside the vocabulary makes
+            its row's logits NaN (no host sync here; see `check_tokens`).
         """
-        tokens = _check_tokens("tokens", tokens, self.vocab_size)
-        pre = trunk_lib.trunk_hidden(self.trunk, tokens, cache)
+        tokens = _check_tokens("tokens", tokens)
+        embeds = trunk_lib.safe_embed(self.trunk, tokens, self.vocab_size)
+        pre = trunk_lib.trunk_hidden(self.trunk, tokens, cache, embeds)
         post = trunk_lib.final_norm(self.trunk, pre)
         logits = trunk_lib.project(self.trunk, post)
         return logits, (pre if self.hidden_source == "pre_norm" else post)
@@ -144,7 +160,7 @@ class MTPRuntime(nn.Module):
         """
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
-        next_tokens = _check_tokens("next_tokens", next_tokens, self.vocab_size)
+        next_tokens = _check_tokens("next_tokens", next_tokens)
         if not isinstance(hidden, mx.array) or hidden.ndim != 3:
             raise ValueError("hidden must be an mx.array of shape [B, T, H]")
         if tuple(hidden.shape[:2]) != tuple(next_tokens.shape):
@@ -152,7 +168,7 @@ class MTPRuntime(nn.Module):
                 f"hidden {tuple(hidden.shape)} and next_tokens {tuple(next_tokens.shape)} "
                 "must agree on [B, T]"
             )
-        embeds = self.trunk.model.embed_tokens(next_tokens)
+        embeds = trunk_lib.safe_embed(self.trunk, next_tokens, self.vocab_size)
         x = self.head(hidden, embeds, head_cache)
         return self.head.logits(x, self.trunk)
 

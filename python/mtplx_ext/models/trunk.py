@@ -60,7 +60,25 @@ def is_recurrent(layer: nn.Module) -> bool:
     return bool(getattr(layer, "is_linear", False))
 
 
-def trunk_hidden(trunk: nn.Module, tokens: mx.array, cache: list | None = None) -> mx.array:
+def safe_embed(trunk: nn.Module, tokens: mx.array, vocab_size: int) -> mx.array:
+    """Embeds tokens; an out-of-vocabulary id gives a NaN row, never a crash.
+
+    MLX's gather has no bounds check (an id past the table can crash the
+    process), so ids are clipped for the gather and their rows poisoned with
+    NaN: the logits of that stream become NaN, which `verify_greedy` reports
+    as a bad row, instead of silently reading another token's embedding.
+    """
+    valid = (tokens >= 0) & (tokens < vocab_size)
+    e = trunk.model.embed_tokens(mx.clip(tokens, 0, vocab_size - 1))
+    return mx.where(valid[..., None], e, mx.array(float("nan"), dtype=e.dtype))
+
+
+def trunk_hidden(
+    trunk: nn.Module,
+    tokens: mx.array,
+    cache: list | None = None,
+    embeds: mx.array | None = None,
+) -> mx.array:
     """Runs the trunk's layers and returns the hidden state before the final norm.
 
     Mirrors the layer loop of mlx-lm's inner models (attention mask from the
@@ -71,12 +89,13 @@ def trunk_hidden(trunk: nn.Module, tokens: mx.array, cache: list | None = None) 
         trunk: an mlx-lm `Model`.
         tokens: [B, T] token ids.
         cache: one cache per layer, or None.
+        embeds: [B, T, H] embeddings of `tokens` to use instead of the table.
 
     Returns:
         [B, T, H] hidden states.
     """
     inner = trunk.model
-    h = inner.embed_tokens(tokens)
+    h = inner.embed_tokens(tokens) if embeds is None else embeds
     layers = inner.layers
     if cache is None:
         cache = [None] * len(layers)
