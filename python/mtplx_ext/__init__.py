@@ -15,10 +15,20 @@ from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
 from mtplx_ext.verify import verify_greedy  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import init_random, load  # noqa: E402
+from mtplx_ext.decode import (  # noqa: E402
+    BatchedDecodeResult,
+    StreamResult,
+    generate_batched,
+    generate_greedy_batched,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchedDecodeResult",
+    "StreamResult",
+    "generate_batched",
+    "generate_greedy_batched",
     "BLAS",
     "MTPRuntime",
     "init_random",
