@@ -6,6 +6,7 @@ check runs in a fresh subprocess.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,10 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the OpenBLAS shim is Linux-only"
 )
 
-PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+# Subprocesses import the same mtplx_ext as this process: the installed
+# package in CI, the source tree under PYTHONPATH=python in development.
+_SPEC = importlib.util.find_spec("mtplx_ext")
+PYTHON_DIR = str(Path(_SPEC.submodule_search_locations[0]).parent)
 
 # Computes float32 / float64 / complex64 matmuls on fresh random inputs, with
 # transposed operands and a batch, and saves them with the BLAS status.
