@@ -11,6 +11,10 @@
 namespace nb = nanobind;
 using namespace nb::literals;
 
+namespace mtplx {
+void bind_sampling(nb::module_& m); // sampling_bindings.cpp
+} // namespace mtplx
+
 NB_MODULE(_ext, m) {
   m.doc() = "mtplx_ext C++ core: fused MLX primitives for MTP decoding";
 
@@ -59,4 +63,6 @@ NB_MODULE(_ext, m) {
       "row_mask"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none());
+
+  mtplx::bind_sampling(m);
 }

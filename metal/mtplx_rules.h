@@ -81,4 +81,53 @@ MTPLX_FN bool takes_over(int key, int idx, int best_key, int best_idx) {
   return key > best_key || (key == best_key && idx < best_idx);
 }
 
+// ---- Sampling (python/mtplx_ext/sampling.py documents the full definition).
+// CPU kernels instantiate these with double, Metal kernels with float.
+
+// Packed per-row sampler parameters: [B, kParamCols] float32.
+MTPLX_CONST int kParamCols = 7;
+MTPLX_CONST int kParamTemperature = 0;
+MTPLX_CONST int kParamTopK = 1;
+MTPLX_CONST int kParamTopP = 2;
+MTPLX_CONST int kParamMinP = 3;
+MTPLX_CONST int kParamPresence = 4;
+MTPLX_CONST int kParamFrequency = 5;
+MTPLX_CONST int kParamRepetition = 6;
+
+// Uniforms of verify_sampled: [B, kUniformCols] float32.
+MTPLX_CONST int kUniformCols = 3;
+MTPLX_CONST int kUniformAccept = 0;
+MTPLX_CONST int kUniformResample = 1;
+MTPLX_CONST int kUniformBonus = 2;
+
+// Penalties on a raw logit seen `count` times: repetition first (divide a
+// positive logit, multiply a negative one), then frequency and presence.
+template <typename T>
+MTPLX_FN T penalised_logit(T l, int count, T presence, T frequency, T rep) {
+  if (count <= 0) {
+    return l;
+  }
+  l = l > T(0) ? l / rep : l * rep;
+  return l - (frequency * T(count) + presence);
+}
+
+// Uniforms are used in [0, 1): NaN and negatives act as 0, values >= 1 as
+// `one_below` (the largest value below 1 of T).
+template <typename T>
+MTPLX_FN T clamp_uniform(T u, T one_below) {
+  return u >= T(0) ? (u < T(1) ? u : one_below) : T(0);
+}
+
+// Speculative acceptance with probability min(1, p_d / q_d); q_d == 0
+// accepts exactly when p_d > 0, and p_d == 0 never accepts (even u == 0).
+template <typename T>
+MTPLX_FN bool accepts_draft(T u, T q_d, T p_d) {
+  return u * q_d < p_d;
+}
+
+// Top-k length of the kept prefix: top_k in (0, V) keeps top_k tokens.
+MTPLX_FN int top_k_length(int top_k, int vocab) {
+  return (top_k > 0 && top_k < vocab) ? top_k : vocab;
+}
+
 } // namespace mtplx

@@ -1,0 +1,752 @@
+// eval_cpu of SampleTokens and VerifySampled. Each row runs the transform of
+// python/mtplx_ext/sampling.py in double precision; the kept prefix (top-k,
+// top-p, min-p) comes from radix selects over an order-preserving 64-bit key
+// of the transformed logits, never from a sort of V.
+#include "cpu/sampling.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "cpu/row_argmax.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mtplx_rules.h"
+#include "sampling_primitives.h"
+
+// Portable wheels keep a baseline build; on x86-64 an AVX2 clone is picked at
+// load time where the CPU has it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
+#define MTPLX_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MTPLX_CLONES
+#endif
+#define MTPLX_INLINE inline __attribute__((always_inline))
+
+namespace mtplx::cpu {
+
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kOneBelow = 0x1.fffffffffffffp-1;
+
+// ---- Logit loads (exact widening to double).
+
+struct LoadF32 {
+  using bits_t = uint32_t;
+  static MTPLX_INLINE double get(uint32_t b) {
+    return double(std::bit_cast<float>(b));
+  }
+};
+
+struct LoadBF16 {
+  using bits_t = uint16_t;
+  static MTPLX_INLINE double get(uint16_t b) {
+    return double(std::bit_cast<float>(uint32_t(b) << 16));
+  }
+};
+
+struct LoadF16 {
+  using bits_t = uint16_t;
+  // Branch-free half -> float, exact for normals, subnormals, Inf and NaN.
+  static MTPLX_INLINE double get(uint16_t h) {
+    uint32_t em = uint32_t(h & 0x7FFF) << 13;
+    uint32_t exp = em & (0x7C00u << 13);
+    uint32_t u = em + ((127 - 15) << 23);
+    u += exp == (0x7C00u << 13) ? ((128 - 16) << 23) : 0u;
+    float f = std::bit_cast<float>(exp == 0 ? u + (1u << 23) : u);
+    f = exp == 0 ? f - std::bit_cast<float>(113u << 23) : f;
+    uint32_t s = uint32_t(h & 0x8000) << 16;
+    return double(std::bit_cast<float>(std::bit_cast<uint32_t>(f) | s));
+  }
+};
+
+// ---- Numerics.
+
+// exp(x) for x <= 0 (or -inf): Cody-Waite reduction and a degree-13 Taylor
+// polynomial, branch-free so that the loops over V vectorise. Results below
+// exp(-708) flush to 0: such a token has no say in any decision.
+MTPLX_INLINE double exp_nonpos(double x) {
+  constexpr double kLog2e = 1.4426950408889634;
+  constexpr double kLn2Hi = 6.93147180369123816490e-01;
+  constexpr double kLn2Lo = 1.90821492927058770002e-10;
+  constexpr double kShift = 6755399441055744.0; // 1.5 * 2^52: round to int
+  double xc = x < -708.0 ? -708.0 : x;
+  double t = xc * kLog2e + kShift;
+  double n = t - kShift;
+  double r = (xc - n * kLn2Hi) - n * kLn2Lo;
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  int64_t ni = std::bit_cast<int64_t>(t) - std::bit_cast<int64_t>(kShift);
+  double scale = std::bit_cast<double>(uint64_t(ni + 1023) << 52);
+  return x < -708.0 ? 0.0 : p * scale;
+}
+
+// Order key: ascending key = descending z; -0 and +0 share a key.
+MTPLX_INLINE uint64_t desc_key(double z) {
+  uint64_t b = std::bit_cast<uint64_t>(z);
+  b = (b << 1) == 0 ? 0 : b;
+  uint64_t asc = (b >> 63) ? ~b : (b | (uint64_t(1) << 63));
+  return ~asc;
+}
+
+MTPLX_CLONES double lane_sum(const double* x, int n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      acc[j] += x[i + j];
+    }
+  }
+  for (int j = 0; i + j < n; ++j) {
+    acc[j] += x[i + j];
+  }
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
+      ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+MTPLX_CLONES void exp_dense(const double* z, double zmax, double* w, int n) {
+  for (int i = 0; i < n; ++i) {
+    w[i] = exp_nonpos(z[i] - zmax);
+  }
+}
+
+MTPLX_CLONES void exp_gather(
+    const double* z,
+    const int* idx,
+    double zmax,
+    double* w,
+    int n) {
+  for (int j = 0; j < n; ++j) {
+    w[j] = exp_nonpos(z[idx[j]] - zmax);
+  }
+}
+
+// ---- Step 1 and 2: z = penalised(l) / T, with the max and min of z.
+
+struct ZRange {
+  double max;
+  double min;
+};
+
+template <class Load>
+MTPLX_INLINE ZRange transform_impl(
+    const typename Load::bits_t* x,
+    int V,
+    const int32_t* counts,
+    int64_t e0,
+    int64_t e1,
+    const RowSampler& s,
+    double t,
+    double* z) {
+  double hi = -kInf, lo = kInf;
+  if (!s.penalties) {
+    for (int i = 0; i < V; ++i) {
+      double v = Load::get(x[i]) / t;
+      z[i] = v;
+      hi = v > hi ? v : hi;
+      lo = v < lo ? v : lo;
+    }
+    return {hi, lo};
+  }
+  for (int i = 0; i < V; ++i) {
+    int c = (counts ? counts[i] : 0) + int(i == e0) + int(i == e1);
+    double v = penalised_logit<double>(
+                   Load::get(x[i]), c, s.presence, s.frequency, s.repetition) /
+        t;
+    z[i] = v;
+    hi = v > hi ? v : hi;
+    lo = v < lo ? v : lo;
+  }
+  return {hi, lo};
+}
+
+MTPLX_CLONES ZRange transform_f32(
+    const uint32_t* x,
+    int V,
+    const int32_t* c,
+    int64_t e0,
+    int64_t e1,
+    const RowSampler& s,
+    double t,
+    double* z) {
+  return transform_impl<LoadF32>(x, V, c, e0, e1, s, t, z);
+}
+
+MTPLX_CLONES ZRange transform_f16(
+    const uint16_t* x,
+    int V,
+    const int32_t* c,
+    int64_t e0,
+    int64_t e1,
+    const RowSampler& s,
+    double t,
+    double* z) {
+  return transform_impl<LoadF16>(x, V, c, e0, e1, s, t, z);
+}
+
+MTPLX_CLONES ZRange transform_bf16(
+    const uint16_t* x,
+    int V,
+    const int32_t* c,
+    int64_t e0,
+    int64_t e1,
+    const RowSampler& s,
+    double t,
+    double* z) {
+  return transform_impl<LoadBF16>(x, V, c, e0, e1, s, t, z);
+}
+
+// ---- Radix select over the order (key ascending, token ascending).
+
+struct Selected {
+  bool found;
+  uint64_t key;
+  int token;
+  int rank; // elements before it in the order
+};
+
+enum class SelectMode { kRank, kMass };
+
+// Candidates are positions j in [0, n) with token idx[j] (j when idx is null,
+// always ascending in j) and, for kMass, mass[j]. kRank finds the element of
+// rank `rank`; kMass the first element whose inclusive cumulative mass
+// reaches `target`.
+class RadixSelect {
+ public:
+  static constexpr int kBits = 11;
+  static constexpr int kBuckets = 1 << kBits;
+
+  RadixSelect(const double* z, const int* idx, const double* mass, int n)
+      : z_(z), idx_(idx), mass_(mass), n_(n) {}
+
+  Selected run(
+      SelectMode mode,
+      int rank,
+      double target,
+      int* buf_a,
+      int* buf_b) {
+    uint64_t lo = ~uint64_t(0), hi = 0;
+    for (int j = 0; j < n_; ++j) {
+      uint64_t k = key(j);
+      lo = k < lo ? k : lo;
+      hi = k > hi ? k : hi;
+    }
+    const int* cur = nullptr; // null: every position
+    int cn = n_;
+    int before = 0;
+    double mass_before = 0;
+    bool narrowed = false;
+    while (true) {
+      if (lo == hi || cn <= 32) {
+        return finish(
+            mode, rank, target, cur, cn, lo == hi, before, mass_before, narrowed);
+      }
+      const int shift = std::max(0, 64 - std::countl_zero(lo ^ hi) - kBits);
+      const uint64_t base = lo >> shift;
+      std::fill(cnt_, cnt_ + kBuckets, 0);
+      if (mode == SelectMode::kMass) {
+        std::fill(msum_, msum_ + kBuckets, 0.0);
+      }
+      for (int q = 0; q < cn; ++q) {
+        int j = cur ? cur[q] : q;
+        int d = int((key(j) >> shift) - base);
+        cnt_[d]++;
+        if (mode == SelectMode::kMass) {
+          msum_[d] += mass_[j];
+        }
+      }
+      const int nb = int((hi >> shift) - base) + 1;
+      int pick = -1;
+      for (int b = 0; b < nb; ++b) {
+        if (mode == SelectMode::kRank) {
+          if (before + cnt_[b] > rank) {
+            pick = b;
+            break;
+          }
+        } else if (cnt_[b] > 0 && mass_before + msum_[b] >= target) {
+          pick = b;
+          break;
+        } else {
+          mass_before += msum_[b];
+        }
+        before += cnt_[b];
+      }
+      if (pick < 0) {
+        return {false, 0, -1, before};
+      }
+      narrowed = true;
+      int* out = (cur == buf_a) ? buf_b : buf_a;
+      int on = 0;
+      uint64_t nlo = ~uint64_t(0), nhi = 0;
+      for (int q = 0; q < cn; ++q) {
+        int j = cur ? cur[q] : q;
+        uint64_t k = key(j);
+        if (int((k >> shift) - base) == pick) {
+          out[on++] = j;
+          nlo = k < nlo ? k : nlo;
+          nhi = k > nhi ? k : nhi;
+        }
+      }
+      cur = out;
+      cn = on;
+      lo = nlo;
+      hi = nhi;
+    }
+  }
+
+ private:
+  int token(int j) const {
+    return idx_ ? idx_[j] : j;
+  }
+  uint64_t key(int j) const {
+    return desc_key(z_[token(j)]);
+  }
+
+  Selected finish(
+      SelectMode mode,
+      int rank,
+      double target,
+      const int* cur,
+      int cn,
+      bool equal_keys,
+      int before,
+      double mass_before,
+      bool narrowed) {
+    // Positions ascend, so tokens ascend; equal keys are then in order.
+    small_.clear();
+    for (int q = 0; q < cn; ++q) {
+      small_.push_back(cur ? cur[q] : q);
+    }
+    if (!equal_keys) {
+      std::sort(small_.begin(), small_.end(), [this](int a, int b) {
+        uint64_t ka = key(a), kb = key(b);
+        return ka < kb || (ka == kb && token(a) < token(b));
+      });
+    }
+    for (int j : small_) {
+      if (mode == SelectMode::kRank) {
+        if (before == rank) {
+          return {true, key(j), token(j), before};
+        }
+      } else {
+        mass_before += mass_[j];
+        if (mass_before >= target) {
+          return {true, key(j), token(j), before};
+        }
+      }
+      ++before;
+    }
+    // A bucket whose histogram mass crossed the target but whose sequential
+    // sum just misses it (rounding): its last element is the crossing.
+    if (mode == SelectMode::kMass && narrowed && !small_.empty()) {
+      int j = small_.back();
+      return {true, key(j), token(j), before - 1};
+    }
+    return {false, 0, -1, before};
+  }
+
+  const double* z_;
+  const int* idx_;
+  const double* mass_;
+  int n_;
+  int cnt_[kBuckets];
+  double msum_[kBuckets];
+  std::vector<int> small_;
+};
+
+// Keeps the positions at or before `t` in the order; returns how many.
+int keep_prefix(
+    const double* z,
+    int* idx,
+    double* w,
+    bool dense,
+    int n,
+    const Selected& t) {
+  int on = 0;
+  for (int j = 0; j < n; ++j) {
+    int tok = dense ? j : idx[j];
+    uint64_t k = desc_key(z[tok]);
+    if (k < t.key || (k == t.key && tok <= t.token)) {
+      idx[on] = tok;
+      if (w) {
+        w[on] = w[j];
+      }
+      ++on;
+    }
+  }
+  return on;
+}
+
+} // namespace
+
+RowSampler RowSampler::from_params(const float* row) {
+  // Values outside their documented ranges act as "off" (NaN included).
+  RowSampler s;
+  float t = row[kParamTemperature];
+  s.temperature = t > 0 && std::isfinite(t) ? double(t) : 0.0;
+  float k = row[kParamTopK];
+  s.top_k = (k >= 1 && k < float(1 << 30)) ? int(k) : 0;
+  float tp = row[kParamTopP];
+  s.top_p = tp < 1 ? double(tp) : 1.0;
+  float mp = row[kParamMinP];
+  s.min_p = mp > 0 ? double(mp) : 0.0;
+  float pr = row[kParamPresence];
+  float fr = row[kParamFrequency];
+  float rp = row[kParamRepetition];
+  s.presence = std::isfinite(pr) ? double(pr) : 0.0;
+  s.frequency = std::isfinite(fr) ? double(fr) : 0.0;
+  s.repetition = (std::isfinite(rp) && rp > 0) ? double(rp) : 1.0;
+  s.penalties = s.presence != 0 || s.frequency != 0 || s.repetition != 1;
+  return s;
+}
+
+double RowDist::weight_of(int t) const {
+  if (t < 0) {
+    return 0;
+  }
+  if (!idx) {
+    return t < n ? w[t] : 0;
+  }
+  const int* it = std::lower_bound(idx, idx + n, t);
+  return (it != idx + n && *it == t) ? w[it - idx] : 0;
+}
+
+RowDistBuilder::RowDistBuilder(int vocab)
+    : V_(vocab), z_(vocab), idx_(vocab), w_(vocab), sel_a_(vocab), sel_b_(vocab) {}
+
+bool row_valid(const void* logits, mx::Dtype dtype, int V) {
+  if (dtype == mx::float32) {
+    return row_argmax_f32(static_cast<const uint32_t*>(logits), V).valid;
+  } else if (dtype == mx::float16) {
+    return row_argmax_f16(static_cast<const uint16_t*>(logits), V).valid;
+  }
+  return row_argmax_bf16(static_cast<const uint16_t*>(logits), V).valid;
+}
+
+bool RowDistBuilder::build(
+    const void* logits,
+    mx::Dtype dtype,
+    const int32_t* counts,
+    int64_t extra0,
+    int64_t extra1,
+    const RowSampler& s,
+    RowDist& out) {
+  out = RowDist{};
+  const int V = V_;
+  if (!row_valid(logits, dtype, V)) {
+    return false;
+  }
+  const bool greedy = !(s.temperature > 0);
+  const double t = greedy ? 1.0 : s.temperature;
+  double* z = z_.data();
+  ZRange r;
+  if (dtype == mx::float32) {
+    r = transform_f32(
+        static_cast<const uint32_t*>(logits), V, counts, extra0, extra1, s, t, z);
+  } else if (dtype == mx::float16) {
+    r = transform_f16(
+        static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, s, t, z);
+  } else {
+    r = transform_bf16(
+        static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, s, t, z);
+  }
+  int* idx = idx_.data();
+  double* w = w_.data();
+  if (greedy) {
+    // Point mass on the first maximum (ties: lowest index).
+    int i = 0;
+    while (z[i] != r.max) {
+      ++i;
+    }
+    idx[0] = i;
+    w[0] = 1.0;
+    out = RowDist{1, idx, w, 1.0};
+    return true;
+  }
+  int n = V;
+  bool dense = true;
+  const int kk = top_k_length(s.top_k, V);
+  if (kk < V) {
+    RadixSelect sel(z, nullptr, nullptr, V);
+    Selected th = sel.run(SelectMode::kRank, kk - 1, 0, sel_a_.data(), sel_b_.data());
+    n = keep_prefix(z, idx, nullptr, true, V, th);
+    dense = false;
+  }
+  if (dense) {
+    exp_dense(z, r.max, w, n);
+  } else {
+    exp_gather(z, idx, r.max, w, n);
+  }
+  int m = n;
+  if (s.top_p < 1) {
+    const double target = s.top_p * lane_sum(w, n);
+    RadixSelect sel(z, dense ? nullptr : idx, w, n);
+    Selected th =
+        sel.run(SelectMode::kMass, 0, target, sel_a_.data(), sel_b_.data());
+    if (th.found) {
+      m = std::min(m, th.rank + 1);
+    }
+  }
+  if (s.min_p > 0) {
+    int c = 0;
+    for (int j = 0; j < n; ++j) {
+      c += int(w[j] >= s.min_p);
+    }
+    m = std::min(m, c);
+  }
+  m = std::max(m, 1);
+  if (m < n) {
+    RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
+    Selected th =
+        sel.run(SelectMode::kRank, m - 1, 0, sel_a_.data(), sel_b_.data());
+    n = keep_prefix(z, idx, w, dense, n, th);
+    dense = false;
+  }
+  out = RowDist{n, dense ? nullptr : idx, w, lane_sum(w, n)};
+  return true;
+}
+
+int sample_row(const RowDist& d, double u) {
+  const double target = u * d.total;
+  constexpr int kBlock = 1024;
+  double run = 0;
+  int j0 = 0;
+  for (; j0 < d.n; j0 += kBlock) {
+    double s = lane_sum(d.w + j0, std::min(kBlock, d.n - j0));
+    if (run + s > target) {
+      break;
+    }
+    run += s;
+  }
+  for (int j = j0; j < d.n; ++j) {
+    run += d.w[j];
+    if (run > target) {
+      return d.token_at(j);
+    }
+  }
+  for (int j = d.n - 1; j >= 0; --j) {
+    if (d.w[j] > 0) {
+      return d.token_at(j);
+    }
+  }
+  return d.token_at(0);
+}
+
+namespace {
+
+// Calls f(token, wp, wq) for every token kept by p or q, ascending.
+template <class F>
+void for_each_union(const RowDist& p, const RowDist& q, F&& f) {
+  int i = 0, j = 0;
+  constexpr int kEnd = std::numeric_limits<int>::max();
+  while (i < p.n || j < q.n) {
+    int tp = i < p.n ? p.token_at(i) : kEnd;
+    int tq = j < q.n ? q.token_at(j) : kEnd;
+    int t = tp < tq ? tp : tq;
+    double wp = tp == t ? p.w[i++] : 0.0;
+    double wq = tq == t ? q.w[j++] : 0.0;
+    if (!f(t, wp, wq)) {
+      return;
+    }
+  }
+}
+
+} // namespace
+
+int sample_residual(const RowDist& p, const RowDist& q, double u) {
+  double total = 0;
+  for_each_union(p, q, [&](int, double wp, double wq) {
+    double r = wp / p.total - wq / q.total;
+    total += r > 0 ? r : 0.0;
+    return true;
+  });
+  if (!(total > 0)) {
+    return sample_row(p, u);
+  }
+  const double target = u * total;
+  double run = 0;
+  int last = -1, pick = -1;
+  for_each_union(p, q, [&](int t, double wp, double wq) {
+    double r = wp / p.total - wq / q.total;
+    if (r > 0) {
+      run += r;
+      last = t;
+      if (run > target) {
+        pick = t;
+        return false;
+      }
+    }
+    return true;
+  });
+  return pick >= 0 ? pick : last;
+}
+
+} // namespace mtplx::cpu
+
+namespace mtplx {
+
+namespace {
+
+size_t row_bytes(const mx::array& a, int V) {
+  return size_t(V) * a.itemsize();
+}
+
+int64_t read_id(const mx::array& a, size_t i) {
+  return a.dtype() == mx::int32 ? int64_t(a.data<int32_t>()[i])
+                                : a.data<int64_t>()[i];
+}
+
+double uniform_at(const float* u, size_t i) {
+  return clamp_uniform<double>(double(u[i]), cpu::kOneBelow);
+}
+
+} // namespace
+
+void SampleTokens::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (auto& a : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  enc.dispatch([in = std::move(in),
+                out = mx::array::unsafe_weak_copy(out),
+                has_counts = has_counts_,
+                has_extra = has_extra_]() mutable {
+    auto& logits = in[0];
+    const int B = logits.shape(0);
+    const int V = logits.shape(1);
+    const float* u = in[1].data<float>();
+    const float* params = in[2].data<float>();
+    const int32_t* counts = has_counts ? in[3].data<int32_t>() : nullptr;
+    const mx::array* extra = has_extra ? &in[has_counts ? 4 : 3] : nullptr;
+    const int E = extra ? extra->shape(1) : 0;
+    const char* base = static_cast<const char*>(logits.data<void>());
+    int32_t* o = out.data<int32_t>();
+    cpu::RowDistBuilder builder(V);
+    for (int b = 0; b < B; ++b) {
+      int64_t ex[2] = {-1, -1};
+      for (int e = 0; e < E && e < 2; ++e) {
+        ex[e] = read_id(*extra, size_t(b) * E + e);
+      }
+      auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
+      cpu::RowDist d;
+      bool ok = builder.build(
+          base + b * row_bytes(logits, V),
+          logits.dtype(),
+          counts ? counts + size_t(b) * V : nullptr,
+          ex[0],
+          ex[1],
+          s,
+          d);
+      o[b] = ok ? cpu::sample_row(d, uniform_at(u, b)) : kInvalid;
+    }
+  });
+}
+
+void VerifySampled::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (auto& a : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  enc.dispatch([in = std::move(in),
+                out = mx::array::unsafe_weak_copy(out),
+                has_counts = has_counts_,
+                variant = variant_]() mutable {
+    auto& vl = in[0];
+    auto& dl = in[1];
+    auto& tokens = in[2];
+    const int B = vl.shape(0);
+    const int V = vl.shape(2);
+    const float* u = in[3].data<float>();
+    const float* params = in[4].data<float>();
+    const int32_t* counts = has_counts ? in[5].data<int32_t>() : nullptr;
+    const char* vbase = static_cast<const char*>(vl.data<void>());
+    const char* dbase = static_cast<const char*>(dl.data<void>());
+    const size_t rb = row_bytes(vl, V);
+    const mx::Dtype dt = vl.dtype();
+    int32_t* o = out.data<int32_t>();
+    cpu::RowDistBuilder bp(V), bq(V);
+    for (int b = 0; b < B; ++b) {
+      int32_t* row = o + size_t(b) * kBundleCols;
+      const int64_t x0 = read_id(tokens, size_t(b) * 2);
+      const int64_t d = read_id(tokens, size_t(b) * 2 + 1);
+      const bool x0_ok = x0 >= 0 && x0 < V;
+      const bool d_ok = d >= 0 && d < V;
+      row[kColX0] = x0_ok ? int32_t(x0) : kInvalid;
+      row[kColDraft] = d_ok ? int32_t(d) : kInvalid;
+      row[kColSecond] = kInvalid;
+      row[kColAccept] = kInvalid;
+      row[kColBonus] = kInvalid;
+      const char* v0 = vbase + (size_t(b) * 2) * rb;
+      const char* v1 = v0 + rb;
+      const char* dr = dbase + size_t(b) * rb;
+      if (!x0_ok || !d_ok || !cpu::row_valid(v1, dt, V)) {
+        continue;
+      }
+      const int32_t* c = counts ? counts + size_t(b) * V : nullptr;
+      const auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
+      auto sp = s, sq = s;
+      if (variant == SamplingVariant::kTopPOnlyAtBonus) {
+        sp.top_p = sq.top_p = 1.0;
+      } else if (
+          variant == SamplingVariant::kDraftWithoutTemperature &&
+          s.temperature > 0) {
+        sq.temperature = 1.0;
+      }
+      cpu::RowDist p, q;
+      if (!bp.build(v0, dt, c, x0, -1, sp, p) ||
+          !bq.build(dr, dt, c, x0, -1, sq, q)) {
+        continue;
+      }
+      const double pd = p.weight_of(int(d)) / p.total;
+      const double qd = q.weight_of(int(d)) / q.total;
+      const double ua = uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
+      const double ur =
+          uniform_at(u, size_t(b) * kUniformCols + kUniformResample);
+      if (accepts_draft<double>(ua, qd, pd)) {
+        row[kColSecond] = int32_t(d);
+        row[kColAccept] = 1;
+        cpu::RowDist p1;
+        bp.build(v1, dt, c, x0, d, s, p1);
+        row[kColBonus] = cpu::sample_row(
+            p1, uniform_at(u, size_t(b) * kUniformCols + kUniformBonus));
+      } else {
+        row[kColAccept] = 0;
+        row[kColSecond] = variant == SamplingVariant::kResidualFromTarget
+            ? cpu::sample_row(p, ur)
+            : cpu::sample_residual(p, q, ur);
+      }
+    }
+  });
+}
+
+} // namespace mtplx

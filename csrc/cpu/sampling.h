@@ -1,0 +1,79 @@
+// CPU rows of the sampled path: the transform of python/mtplx_ext/sampling.py
+// in double precision, without a sort of V (radix select with counting and
+// mass histograms finds the kept prefix).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "mlx/dtype.h"
+
+namespace mtplx::cpu {
+
+namespace mx = mlx::core;
+
+// One row's sampler parameters, widened from the packed float32 row.
+struct RowSampler {
+  double temperature;
+  int top_k;
+  double top_p;
+  double min_p;
+  double presence;
+  double frequency;
+  double repetition;
+  bool penalties; // any penalty differs from its neutral value
+
+  static RowSampler from_params(const float* row);
+};
+
+// A distribution over the vocabulary: weights w[j] (unnormalised, kept
+// tokens only) at tokens idx[j] ascending, or at j when idx is null (dense).
+struct RowDist {
+  int n = 0;
+  const int* idx = nullptr;
+  const double* w = nullptr;
+  double total = 0;
+
+  int token_at(int j) const {
+    return idx ? idx[j] : j;
+  }
+  // Weight of token t (0 outside the kept set).
+  double weight_of(int t) const;
+};
+
+// Owns the buffers of one RowDist and the scratch used to build it.
+class RowDistBuilder {
+ public:
+  explicit RowDistBuilder(int vocab);
+
+  // Builds the distribution of one logits row (bits of `dtype`). `counts` may
+  // be null; `extra` lists up to two ids counted once more (-1: none).
+  // Returns false (and leaves the dist empty) when the row is unusable.
+  bool build(
+      const void* logits,
+      mx::Dtype dtype,
+      const int32_t* counts,
+      int64_t extra0,
+      int64_t extra1,
+      const RowSampler& s,
+      RowDist& out);
+
+ private:
+  int V_;
+  std::vector<double> z_;
+  std::vector<int> idx_;
+  std::vector<double> w_;
+  std::vector<int> sel_a_, sel_b_;
+};
+
+// Inverse CDF in vocabulary order: the first token whose cumulative weight
+// exceeds u * total; the last token of positive weight if rounding leaves none.
+int sample_row(const RowDist& d, double u);
+
+// Draw from normalise(max(p/|p| - q/|q|, 0)), or from p when that is empty.
+int sample_residual(const RowDist& p, const RowDist& q, double u);
+
+// Validity of a raw logits row under the shared rules (mtplx_rules.h).
+bool row_valid(const void* logits, mx::Dtype dtype, int V);
+
+} // namespace mtplx::cpu

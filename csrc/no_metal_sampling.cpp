@@ -1,0 +1,29 @@
+// eval_gpu of the sampled path for builds without our Metal kernels (Linux,
+// CUDA builds of MLX).
+#include <stdexcept>
+#include <string>
+
+#include "sampling_primitives.h"
+
+namespace mtplx {
+
+namespace {
+
+[[noreturn]] void no_gpu_kernel(const char* op) {
+  throw std::runtime_error(
+      std::string("mtplx_ext.") + op +
+      ": this build has no kernel for MLX's GPU backend on this platform "
+      "(Metal kernels are built on macOS only); pass stream=mx.cpu.");
+}
+
+} // namespace
+
+void SampleTokens::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("sample_tokens");
+}
+
+void VerifySampled::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("verify_sampled");
+}
+
+} // namespace mtplx

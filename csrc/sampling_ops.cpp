@@ -1,0 +1,198 @@
+#include "sampling_ops.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/ops.h"
+#include "mtplx_rules.h"
+#include "sampling_primitives.h"
+
+namespace mtplx {
+
+namespace {
+
+[[noreturn]] void bad_arg(const std::string& msg) {
+  throw std::invalid_argument(msg);
+}
+
+std::string shape_of(const mx::array& a) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    os << (i ? ", " : "") << a.shape(i);
+  }
+  os << (a.ndim() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+bool is_logit_dtype(mx::Dtype t) {
+  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+}
+
+void require_shape(
+    const char* name,
+    const mx::array& a,
+    const mx::Shape& want,
+    const char* want_str) {
+  if (a.shape() != want) {
+    std::ostringstream os;
+    os << name << " must have shape " << want_str << " = (";
+    for (size_t i = 0; i < want.size(); ++i) {
+      os << (i ? ", " : "") << want[i];
+    }
+    os << (want.size() == 1 ? ",)" : ")") << ", got " << shape_of(a);
+    bad_arg(os.str());
+  }
+}
+
+// Token ids are read as int32 or int64; narrower ints widen losslessly.
+mx::array token_ids(const char* name, const mx::array& a, mx::Stream st) {
+  if (!mx::issubdtype(a.dtype(), mx::integer)) {
+    bad_arg(std::string(name) + " must have an integer dtype");
+  }
+  auto t = (a.dtype() == mx::int32 || a.dtype() == mx::int64)
+      ? a
+      : mx::astype(a, mx::int64, st);
+  return mx::contiguous(t, false, st);
+}
+
+mx::array float_input(const char* name, const mx::array& a, mx::Stream st) {
+  if (!mx::issubdtype(a.dtype(), mx::floating)) {
+    bad_arg(std::string(name) + " must be a floating array");
+  }
+  auto t = a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32, st);
+  return mx::contiguous(t, false, st);
+}
+
+mx::array counts_input(const mx::array& a, int B, int V, mx::Stream st) {
+  require_shape("token_counts", a, {B, V}, "[B, V]");
+  if (!mx::issubdtype(a.dtype(), mx::integer)) {
+    bad_arg("token_counts must have an integer dtype");
+  }
+  auto t = a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, st);
+  return mx::contiguous(t, false, st);
+}
+
+} // namespace
+
+mx::array sample_tokens(
+    const mx::array& logits,
+    const mx::array& uniforms,
+    const mx::array& params,
+    const std::optional<mx::array>& token_counts,
+    const std::optional<mx::array>& extra_tokens,
+    mx::StreamOrDevice s) {
+  if (logits.ndim() != 2) {
+    bad_arg("logits must have shape [B, V], got " + shape_of(logits));
+  }
+  if (!is_logit_dtype(logits.dtype())) {
+    bad_arg("logits must be float32, float16 or bfloat16");
+  }
+  const int B = logits.shape(0);
+  const int V = logits.shape(1);
+  if (B < 1 || V < 1) {
+    bad_arg("logits must have B >= 1 and V >= 1, got " + shape_of(logits));
+  }
+  require_shape("uniforms", uniforms, {B}, "[B]");
+  require_shape("params", params, {B, kParamCols}, "[B, 7]");
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(logits, false, st),
+      float_input("uniforms", uniforms, st),
+      float_input("params", params, st)};
+  if (token_counts) {
+    inputs.push_back(counts_input(*token_counts, B, V, st));
+  }
+  if (extra_tokens) {
+    auto& e = *extra_tokens;
+    if (e.ndim() != 2 || e.shape(0) != B || e.shape(1) > 2) {
+      bad_arg(
+          "extra_tokens must have shape [B, E] with B = " + std::to_string(B) +
+          " and E <= 2, got " + shape_of(e));
+    }
+    inputs.push_back(token_ids("extra_tokens", e, st));
+  }
+  return mx::array(
+      {B},
+      mx::int32,
+      std::make_shared<SampleTokens>(
+          st, token_counts.has_value(), extra_tokens.has_value()),
+      std::move(inputs));
+}
+
+bool SampleTokens::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const SampleTokens&>(other);
+  return has_counts_ == o.has_counts_ && has_extra_ == o.has_extra_;
+}
+
+std::vector<mx::Shape> SampleTokens::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0)}};
+}
+
+mx::array verify_sampled(
+    const mx::array& verify_logits,
+    const mx::array& draft_logits,
+    const mx::array& tokens,
+    const mx::array& uniforms,
+    const mx::array& params,
+    const std::optional<mx::array>& token_counts,
+    int variant,
+    mx::StreamOrDevice s) {
+  if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
+    bad_arg(
+        "verify_logits must have shape [B, 2, V], got " +
+        shape_of(verify_logits));
+  }
+  if (!is_logit_dtype(verify_logits.dtype())) {
+    bad_arg("verify_logits must be float32, float16 or bfloat16");
+  }
+  const int B = verify_logits.shape(0);
+  const int V = verify_logits.shape(2);
+  if (B < 1 || V < 1) {
+    bad_arg(
+        "verify_logits must have B >= 1 and V >= 1, got " +
+        shape_of(verify_logits));
+  }
+  require_shape("draft_logits", draft_logits, {B, V}, "[B, V]");
+  if (draft_logits.dtype() != verify_logits.dtype()) {
+    bad_arg("draft_logits must have the dtype of verify_logits");
+  }
+  require_shape("tokens", tokens, {B, 2}, "[B, 2]");
+  require_shape("uniforms", uniforms, {B, kUniformCols}, "[B, 3]");
+  require_shape("params", params, {B, kParamCols}, "[B, 7]");
+  if (variant < 0 || variant > 3) {
+    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(verify_logits, false, st),
+      mx::contiguous(draft_logits, false, st),
+      token_ids("tokens", tokens, st),
+      float_input("uniforms", uniforms, st),
+      float_input("params", params, st)};
+  if (token_counts) {
+    inputs.push_back(counts_input(*token_counts, B, V, st));
+  }
+  return mx::array(
+      {B, kBundleCols},
+      mx::int32,
+      std::make_shared<VerifySampled>(
+          st,
+          token_counts.has_value(),
+          static_cast<SamplingVariant>(variant)),
+      std::move(inputs));
+}
+
+bool VerifySampled::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const VerifySampled&>(other);
+  return has_counts_ == o.has_counts_ && variant_ == o.variant_;
+}
+
+std::vector<mx::Shape> VerifySampled::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), kBundleCols}};
+}
+
+} // namespace mtplx

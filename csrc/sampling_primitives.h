@@ -1,0 +1,92 @@
+// MLX primitives of the sampled path: one class per op. eval_cpu lives in
+// cpu/sampling.cpp, eval_gpu in metal/sampling.cpp (no_metal_sampling.cpp
+// where MLX has no Metal backend). python/mtplx_ext/sampling.py holds the
+// definition every kernel follows.
+#pragma once
+
+#include <vector>
+
+#include "mlx/primitives.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+// Test-only deliberately wrong pipelines of verify_sampled. The statistical
+// tests run them to prove that they can tell an exact sampler from a wrong one.
+enum class SamplingVariant : int {
+  kExact = 0,
+  kResidualFromTarget = 1, // on rejection draw from p, not max(p - q, 0)
+  kTopPOnlyAtBonus = 2, // p and q at the draft position skip top-p
+  kDraftWithoutTemperature = 3, // q recomputed with temperature 1
+};
+
+// Draws one token per row from the transformed distribution of its logits.
+// Inputs: logits [B, V] (float32/float16/bfloat16), uniforms [B] float32,
+// params [B, kParamCols] float32, then optionally counts [B, V] int32, then
+// optionally extra tokens [B, E] (int32/int64; each id in [0, V) counts once
+// more, others are ignored). Output: [B] int32, -1 on an unusable row.
+class SampleTokens : public mx::UnaryPrimitive {
+ public:
+  SampleTokens(mx::Stream stream, bool has_counts, bool has_extra)
+      : mx::UnaryPrimitive(stream),
+        has_counts_(has_counts),
+        has_extra_(has_extra) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "SampleTokens";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  bool has_counts() const {
+    return has_counts_;
+  }
+  bool has_extra() const {
+    return has_extra_;
+  }
+
+ private:
+  bool has_counts_;
+  bool has_extra_;
+};
+
+// Speculative verification of one sampled draft per row, packed into the
+// bundle. Inputs: verify_logits [B, 2, V], draft_logits [B, V] (same float
+// dtype), tokens [B, 2] (int32/int64), uniforms [B, kUniformCols] float32,
+// params [B, kParamCols] float32, then optionally counts [B, V] int32.
+// Output: bundle [B, 5] int32 (x0, draft, second, accept, bonus).
+class VerifySampled : public mx::UnaryPrimitive {
+ public:
+  VerifySampled(mx::Stream stream, bool has_counts, SamplingVariant variant)
+      : mx::UnaryPrimitive(stream),
+        has_counts_(has_counts),
+        variant_(variant) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "VerifySampled";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  bool has_counts() const {
+    return has_counts_;
+  }
+  SamplingVariant variant() const {
+    return variant_;
+  }
+
+ private:
+  bool has_counts_;
+  SamplingVariant variant_;
+};
+
+} // namespace mtplx

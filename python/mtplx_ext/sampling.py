@@ -1,0 +1,361 @@
+"""The sampler and the exact MTP acceptance rule, with a float64 host reference.
+
+This module is the one definition of sampled decoding in mtplx_ext. The fused
+primitives (``sample_tokens``, ``verify_sampled``) implement exactly these
+rules; the NumPy float64 functions here are the reference they are tested
+against.
+
+Transform order, for one row of logits ``l`` (length V) and the token counts
+``c`` the penalties see:
+
+1. Penalties on the raw logits, for every token with ``c[t] > 0``:
+   ``l = l / repetition if l > 0 else l * repetition``, then
+   ``l = l - (frequency * c[t] + presence)``.
+2. Temperature: ``z = l / temperature``. Temperature 0 is greedy: the
+   distribution is a point mass on the argmax of the penalised logits (ties go
+   to the lowest index); top-k, top-p and min-p do not apply.
+3. Order the tokens by ``z`` descending, ties lowest index first. The kept set
+   is the prefix of that order of length ``m = min(m_k, m_p, m_min)``, where
+   with ``e = exp(z - max(z))``:
+
+   * ``m_k = top_k`` if ``0 < top_k < V`` else ``V`` (top-k);
+   * ``m_p``: the smallest ``n <= m_k`` whose first ``n`` values of ``e`` sum
+     to at least ``top_p`` times the sum of the first ``m_k`` (top-p on the
+     top-k-renormalised distribution; off when ``top_p >= 1``);
+   * ``m_min``: the number of tokens with ``e >= min_p`` (min-p: probability
+     at least ``min_p`` times the largest; off when ``min_p <= 0``).
+
+4. Renormalise: ``p[t] = e[t] / sum(e[kept])`` on the kept set, 0 elsewhere.
+
+Sampling is by inverse CDF in vocabulary order: with ``C = cumsum(w)`` the
+token is the smallest ``t`` with ``C[t] > u * C[-1]``; if rounding leaves no
+such ``t``, the last token of positive weight. A zero-weight token is never
+drawn, even with ``u == 0``.
+
+Verification of a draft ``d`` drawn from ``q`` against the target ``p``
+(Leviathan et al. / Chen et al. speculative sampling): accept when
+``u_accept * q[d] < p[d]`` (probability ``min(1, p[d] / q[d])``; with
+``q[d] == 0`` that is "accept when ``p[d] > 0``"). On rejection the token is
+drawn with ``u_resample`` from ``normalise(max(p - q, 0))``; if that residual
+has no mass (``p == q`` up to rounding, where rejection has probability 0),
+from ``p``.
+
+Penalty counts: ``token_counts`` holds how often each token occurs in the text
+the penalties see; the decode loop counts the generated tokens (not the
+prompt), for all three penalties. Positions inside one MTP cycle are exact:
+the draft position's distribution counts ``x0`` once more, the bonus
+position's counts ``x0`` and the draft. On the device the counts travel as a
+[B, V] int32 array and the primitives add ``x0`` / the draft themselves.
+
+Numbers: the device takes sampler parameters and uniforms as float32; the
+reference rounds parameters to float32 too, so both use the same values.
+Uniforms are clamped to [0, 1): a value of 1 or more acts as the largest
+double below 1, NaN or a negative value as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Column order of the packed per-row parameter array ([B, 7] float32).
+PARAM_COLUMNS = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+_ONE_BELOW = float(np.nextafter(1.0, 0.0))
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """Per-stream sampler settings.
+
+    Attributes:
+        temperature: 0 for greedy, else > 0.
+        top_k: keep the k most likely tokens; 0 turns it off.
+        top_p: keep the smallest most-likely set of mass >= top_p; 1 is off.
+        min_p: keep tokens with probability >= min_p * the largest; 0 is off.
+        presence_penalty: subtracted once from the logit of a seen token.
+        frequency_penalty: subtracted per occurrence of a seen token.
+        repetition_penalty: divides positive / multiplies negative logits of
+            seen tokens; 1 is off.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_k", isinstance(self.top_k, (int, np.integer)) and 0 <= self.top_k < 2**24, "an int in [0, 2**24)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("presence_penalty", math.isfinite(self.presence_penalty), "finite"),
+            ("frequency_penalty", math.isfinite(self.frequency_penalty), "finite"),
+            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "finite and > 0"),
+        )
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"SamplerConfig.{name} must be {want}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when this config picks the argmax (temperature 0)."""
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when token counts change the logits."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    def as_row(self) -> np.ndarray:
+        """The parameters as one float32 row in `PARAM_COLUMNS` order."""
+        return np.array([getattr(self, n) for n in PARAM_COLUMNS], dtype=np.float32)
+
+
+def pack_params(samplers: SamplerConfig | Sequence[SamplerConfig], batch: int) -> np.ndarray:
+    """Packs one config (shared) or one per row into a [B, 7] float32 array.
+
+    Raises:
+        ValueError: a sequence whose length is not `batch`.
+        TypeError: an entry that is not a SamplerConfig.
+    """
+    if isinstance(samplers, SamplerConfig):
+        samplers = [samplers] * batch
+    samplers = list(samplers)
+    if len(samplers) != batch:
+        raise ValueError(f"sampler has {len(samplers)} entries for a batch of {batch}")
+    for i, s in enumerate(samplers):
+        if not isinstance(s, SamplerConfig):
+            raise TypeError(f"sampler[{i}] must be a SamplerConfig, got {type(s).__name__}")
+    return np.stack([s.as_row() for s in samplers]).reshape(batch, len(PARAM_COLUMNS))
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def clamp_uniform(u: float) -> float:
+    """The uniform the kernels use: [0, 1), with NaN / negative as 0."""
+    u = float(u)
+    if not u >= 0.0:
+        return 0.0
+    return min(u, _ONE_BELOW)
+
+
+def row_is_valid(logits: np.ndarray) -> bool:
+    """A row is usable when it holds no NaN or +Inf and some finite value."""
+    x = np.asarray(logits, dtype=np.float64)
+    return bool(not np.isnan(x).any() and not np.isposinf(x).any() and np.isfinite(x).any())
+
+
+def counts_with(
+    token_counts: np.ndarray | None, vocab: int, extra: Sequence[int] = ()
+) -> np.ndarray:
+    """Counts seen by a later position: `token_counts` plus the `extra` tokens."""
+    c = np.zeros(vocab, np.int64) if token_counts is None else np.asarray(token_counts, np.int64).copy()
+    for t in extra:
+        c[int(t)] += 1
+    return c
+
+
+def penalised_logits(logits: np.ndarray, sampler: SamplerConfig, token_counts: np.ndarray | None) -> np.ndarray:
+    """Step 1: the raw logits in float64 with the penalties applied."""
+    l = np.asarray(logits, dtype=np.float64).copy()
+    if token_counts is None:
+        return l
+    c = np.asarray(token_counts, dtype=np.int64)
+    seen = c > 0
+    rep = _f32(sampler.repetition_penalty)
+    ls = l[seen]
+    ls = np.where(ls > 0, ls / rep, ls * rep)
+    ls = ls - (_f32(sampler.frequency_penalty) * c[seen].astype(np.float64) + _f32(sampler.presence_penalty))
+    l[seen] = ls
+    return l
+
+
+@dataclass
+class RowTransform:
+    """Intermediate values of the transform of one row (for tests and tools).
+
+    Attributes:
+        z: penalised, temperature-scaled logits (penalised logits if greedy).
+        order: token ids by z descending, ties lowest index first.
+        e: exp(z - max z) in `order` (None if greedy).
+        m_k, m_p, m_min, m: prefix lengths of the kept set (step 3).
+        kept: the kept token ids, in `order`.
+        p: the final distribution over the vocabulary.
+    """
+
+    z: np.ndarray
+    order: np.ndarray
+    e: np.ndarray | None
+    m_k: int
+    m_p: int
+    m_min: int
+    m: int
+    kept: np.ndarray
+    p: np.ndarray
+
+
+def transform_row(
+    logits: np.ndarray, sampler: SamplerConfig, token_counts: np.ndarray | None = None
+) -> RowTransform:
+    """Runs the documented transform on one valid row, keeping every step."""
+    V = int(np.asarray(logits).shape[-1])
+    l = penalised_logits(logits, sampler, token_counts)
+    idx = np.arange(V)
+    if sampler.greedy:
+        order = np.lexsort((idx, -l))
+        p = np.zeros(V)
+        p[order[0]] = 1.0
+        return RowTransform(l, order, None, 1, 1, 1, 1, order[:1], p)
+    z = l / _f32(sampler.temperature)
+    order = np.lexsort((idx, -z))
+    e = np.exp(z[order] - z[order[0]])
+    k = int(sampler.top_k)
+    m_k = k if 0 < k < V else V
+    m_p = m_k
+    top_p = _f32(sampler.top_p)
+    if top_p < 1.0:
+        head = e[:m_k]
+        cum = np.cumsum(head)
+        hit = np.nonzero(cum >= top_p * head.sum())[0]
+        if hit.size:
+            m_p = int(hit[0]) + 1
+    min_p = _f32(sampler.min_p)
+    m_min = int(np.count_nonzero(e >= min_p)) if min_p > 0 else V
+    m = max(1, min(m_k, m_p, m_min))
+    kept = order[:m]
+    p = np.zeros(V)
+    p[kept] = e[:m] / e[:m].sum()
+    return RowTransform(z, order, e, m_k, m_p, m_min, m, kept, p)
+
+
+def distribution_from_logits(
+    logits: np.ndarray, sampler: SamplerConfig, token_counts: np.ndarray | None = None
+) -> np.ndarray:
+    """The sampling distribution of one row of logits, in float64.
+
+    Args:
+        logits: [V] logits (any float dtype; widened exactly to float64).
+        sampler: the sampler settings.
+        token_counts: [V] counts the penalties see, or None for no history.
+
+    Returns:
+        [V] float64 probabilities, zero outside the kept set.
+
+    Raises:
+        ValueError: the row holds NaN or +Inf, or no finite logit.
+    """
+    if not row_is_valid(logits):
+        raise ValueError("logits row holds NaN or +Inf, or no finite value")
+    return transform_row(logits, sampler, token_counts).p
+
+
+def sample_from(w: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw in vocabulary order from weights `w` (need not sum to 1)."""
+    c = np.cumsum(np.asarray(w, dtype=np.float64))
+    t = int(np.searchsorted(c, clamp_uniform(u) * c[-1], side="right"))
+    if t >= c.size:
+        t = int(np.nonzero(np.asarray(w) > 0)[0][-1])
+    return t
+
+
+def verify_one_token(
+    p: np.ndarray, q: np.ndarray, draft: int, u_accept: float, u_resample: float
+) -> tuple[bool, int]:
+    """Speculative-sampling decision for one draft token.
+
+    Args:
+        p: [V] target distribution at the draft's position.
+        q: [V] distribution the draft was drawn from.
+        draft: the drafted token id.
+        u_accept: uniform for the accept test.
+        u_resample: uniform for the residual draw on rejection.
+
+    Returns:
+        (accepted, token): token is the draft when accepted, else a draw from
+        normalise(max(p - q, 0)) (from p when that residual has no mass).
+    """
+    p = np.asarray(p, dtype=np.float64)
+    q = np.asarray(q, dtype=np.float64)
+    if clamp_uniform(u_accept) * q[draft] < p[draft]:
+        return True, int(draft)
+    r = np.maximum(p - q, 0.0)
+    if r.sum() > 0:
+        return False, sample_from(r, u_resample)
+    return False, sample_from(p, u_resample)
+
+
+@dataclass(frozen=True)
+class RowCycle:
+    """Result of one sampled MTP cycle of one stream.
+
+    Attributes:
+        accepted: whether the draft was accepted.
+        second_token: the committed token after x0 (the draft or the residual
+            draw).
+        bonus: the token sampled at the draft's position when accepted, else
+            None (or when the bonus is omitted).
+    """
+
+    accepted: bool
+    second_token: int
+    bonus: int | None
+
+
+def sample_mtp_row_cycle(
+    verify_logits: np.ndarray,
+    draft_logits: np.ndarray,
+    x0: int,
+    draft: int,
+    sampler: SamplerConfig,
+    uniforms: Sequence[float],
+    token_counts: np.ndarray | None = None,
+    omit_bonus: bool = False,
+) -> RowCycle:
+    """One stream's sampled verification, the reference for `verify_sampled`.
+
+    Args:
+        verify_logits: [2, V] logits of the verification forward at x0's and
+            the draft's positions.
+        draft_logits: [V] logits the draft was drawn from (MTP head).
+        x0: the committed primary token.
+        draft: the drafted token.
+        sampler: sampler settings of this stream (target and draft alike).
+        uniforms: (u_accept, u_resample, u_bonus).
+        token_counts: [V] counts before x0, or None.
+        omit_bonus: skip the bonus draw.
+
+    Returns:
+        The cycle's decision.
+    """
+    V = int(np.asarray(draft_logits).shape[-1])
+    c1 = counts_with(token_counts, V, (x0,))
+    p = distribution_from_logits(verify_logits[0], sampler, c1)
+    q = distribution_from_logits(draft_logits, sampler, c1)
+    accepted, second = verify_one_token(p, q, draft, uniforms[0], uniforms[1])
+    bonus = None
+    if accepted and not omit_bonus:
+        p1 = distribution_from_logits(verify_logits[1], sampler, counts_with(token_counts, V, (x0, draft)))
+        bonus = sample_from(p1, uniforms[2])
+    return RowCycle(accepted, second, bonus)
