@@ -13,6 +13,8 @@ _check_extension()
 
 from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
 from mtplx_ext.verify import verify_greedy  # noqa: E402
+from mtplx_ext.sampling import SamplerConfig  # noqa: E402
+from mtplx_ext.sampled import sample_tokens, verify_sampled  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import init_random, load  # noqa: E402
 from mtplx_ext.decode import (  # noqa: E402
@@ -33,6 +35,9 @@ __all__ = [
     "MTPRuntime",
     "init_random",
     "load",
+    "SamplerConfig",
+    "sample_tokens",
+    "verify_sampled",
     "restore_state",
     "snapshot_state",
     "verify_greedy",

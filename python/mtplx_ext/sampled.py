@@ -1,0 +1,175 @@
+"""Fused sampled decoding primitives: sample_tokens and verify_sampled.
+
+Both follow the sampler definition of `mtplx_ext.sampling` exactly (transform
+order, kept-set tie rules, inverse CDF, acceptance rule); that module's
+float64 NumPy functions are their reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from mtplx_ext import _ext
+from mtplx_ext._checks import require_array, require_int_tokens, require_logits
+from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
+
+SamplerArg = SamplerConfig | Sequence[SamplerConfig] | mx.array
+
+
+def sampler_params(sampler: SamplerArg, batch: int) -> mx.array:
+    """Packs sampler settings into the [B, 7] float32 array the kernels read.
+
+    Args:
+        sampler: one SamplerConfig for every row, a sequence of B configs (one
+            per row), or an already packed [B, 7] array (columns in
+            `mtplx_ext.sampling.PARAM_COLUMNS` order).
+        batch: B.
+
+    Returns:
+        [B, 7] float32 mx.array.
+    """
+    if isinstance(sampler, mx.array):
+        want = (batch, len(PARAM_COLUMNS))
+        if tuple(sampler.shape) != want:
+            raise ValueError(f"sampler must have shape {want}, got {tuple(sampler.shape)}")
+        if not mx.issubdtype(sampler.dtype, mx.floating):
+            raise TypeError(f"sampler must be a float array, got {sampler.dtype}")
+        return sampler.astype(mx.float32)
+    return mx.array(pack_params(sampler, batch))
+
+
+def _uniforms(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
+    a = require_array(name, value)
+    if not mx.issubdtype(a.dtype, mx.floating):
+        raise TypeError(f"{name} must be a float array, got {a.dtype}")
+    if tuple(a.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
+    return a
+
+
+def _counts(value: object | None, shape: tuple[int, int]) -> mx.array | None:
+    if value is None:
+        return None
+    a = require_array("token_counts", value)
+    if not mx.issubdtype(a.dtype, mx.integer):
+        raise TypeError(f"token_counts must have an integer dtype, got {a.dtype}")
+    if tuple(a.shape) != shape:
+        raise ValueError(f"token_counts must have shape {shape}, got {tuple(a.shape)}")
+    return a
+
+
+def sample_tokens(
+    logits: mx.array,
+    uniforms: mx.array,
+    sampler: SamplerArg,
+    *,
+    token_counts: mx.array | None = None,
+    extra_tokens: mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Draws one token per row from the sampler's distribution of its logits.
+
+    Args:
+        logits: [B, V] float32/float16/bfloat16 logits.
+        uniforms: [B] float uniforms in [0, 1) (one per row; draw them with a
+            per-row key so that rows are reproducible on their own).
+        sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
+        token_counts: optional [B, V] integer counts the penalties see.
+        extra_tokens: optional [B, E] ids (E <= 2) counted once more on top
+            of `token_counts` (e.g. x0 when sampling the MTP draft); ids
+            outside [0, V) such as -1 count nothing.
+        stream: MLX stream or device to run on.
+
+    Returns:
+        [B] int32 tokens; -1 for a row whose logits hold NaN or +Inf, or no
+        finite value.
+    """
+    lg = require_logits("logits", logits, 2)
+    B, V = lg.shape
+    u = _uniforms("uniforms", uniforms, (B,))
+    counts = _counts(token_counts, (B, V))
+    extra = None
+    if extra_tokens is not None:
+        extra = require_array("extra_tokens", extra_tokens)
+        if extra.ndim != 2 or extra.shape[0] != B or extra.shape[1] > 2:
+            raise ValueError(
+                f"extra_tokens must have shape [B, E] with B = {B} and E <= 2, "
+                f"got {tuple(extra.shape)}"
+            )
+        extra = require_int_tokens("extra_tokens", extra, tuple(extra.shape))
+    params = sampler_params(sampler, B)
+    return _ext.sample_tokens(lg, u, params, counts, extra, stream=stream)
+
+
+def verify_sampled(
+    verify_logits: mx.array,
+    draft_logits: mx.array,
+    tokens: mx.array,
+    uniforms: mx.array,
+    sampler: SamplerArg,
+    *,
+    token_counts: mx.array | None = None,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Exact speculative verification of one sampled MTP draft per stream.
+
+    With p the target distribution at the draft's position (from
+    verify_logits[:, 0], counts + x0) and q the draft distribution recomputed
+    from draft_logits with the same transforms and counts, the draft is
+    accepted when ``u_accept * q(d) < p(d)``; otherwise ``second`` is drawn
+    from normalise(max(p - q, 0)) with u_resample. When accepted, the bonus
+    is drawn with u_bonus from verify_logits[:, 1] (counts + x0 + draft).
+
+    Args:
+        verify_logits: [B, 2, V] logits of the verification forward at the
+            positions of x0 and of the draft.
+        draft_logits: [B, V] logits the draft was sampled from, same dtype.
+        tokens: [B, 2] integer (x0, draft).
+        uniforms: [B, 3] float (u_accept, u_resample, u_bonus).
+        sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
+        token_counts: optional [B, V] integer counts before x0.
+        stream: MLX stream or device to run on.
+
+    Returns:
+        [B, 5] int32 bundle (x0, draft, second, accept, bonus): accept is 1 or
+        0; bonus is -1 when the draft was rejected. accept is -1 (and second,
+        bonus -1) when a logits row holds NaN or +Inf or no finite value, or
+        when x0 or the draft lies outside [0, V).
+    """
+    vl = require_logits("verify_logits", verify_logits, 3)
+    if vl.shape[1] != 2:
+        raise ValueError(f"verify_logits must have shape [B, 2, V], got {tuple(vl.shape)}")
+    B, _, V = vl.shape
+    dl = require_logits("draft_logits", draft_logits, 2)
+    if tuple(dl.shape) != (B, V):
+        raise ValueError(f"draft_logits must have shape {(B, V)}, got {tuple(dl.shape)}")
+    if dl.dtype != vl.dtype:
+        raise TypeError(
+            f"draft_logits must have the dtype of verify_logits ({vl.dtype}), got {dl.dtype}"
+        )
+    tok = require_int_tokens("tokens", tokens, (B, 2))
+    u = _uniforms("uniforms", uniforms, (B, 3))
+    counts = _counts(token_counts, (B, V))
+    params = sampler_params(sampler, B)
+    return _ext.verify_sampled(vl, dl, tok, u, params, counts, stream=stream)
+
+
+def row_uniforms(keys: mx.array, n: int) -> mx.array:
+    """[B, n] float32 uniforms, row b drawn from its own key ``keys[b]``.
+
+    A row's uniforms depend only on its key, so a stream's draws do not
+    change with the batch's composition or order.
+
+    Args:
+        keys: [B, 2] uint32 PRNG keys (from ``mx.random.key``).
+        n: uniforms per row.
+    """
+    keys = require_array("keys", keys)
+    if keys.ndim != 2 or keys.shape[1] != 2:
+        raise ValueError(f"keys must have shape [B, 2], got {tuple(keys.shape)}")
+    return mx.vmap(lambda k: mx.random.uniform(shape=(n,), key=k))(keys)
+
+
+__all__ = ["row_uniforms", "sample_tokens", "sampler_params", "verify_sampled"]
