@@ -11,15 +11,15 @@
 namespace mtplx::cpu {
 
 MTPLX_CLONES RowArgmax row_argmax_f32(const uint32_t* x, int n) {
-  return row_argmax_impl<F32Key>(x, n);
+  return row_argmax_f32_impl(reinterpret_cast<const float*>(x), n);
 }
 
 MTPLX_CLONES RowArgmax row_argmax_f16(const uint16_t* x, int n) {
-  return row_argmax_impl<F16Key>(x, n);
+  return row_argmax_16<F16Key>(x, n);
 }
 
 MTPLX_CLONES RowArgmax row_argmax_bf16(const uint16_t* x, int n) {
-  return row_argmax_impl<BF16Key>(x, n);
+  return row_argmax_16<BF16Key>(x, n);
 }
 
 } // namespace mtplx::cpu

@@ -35,49 +35,58 @@ struct KeyVec {
   }
 };
 
-// One pass with per-lane first indices, for 32-bit keys (rows of 4-byte
-// logits often outgrow L2, so a second pass would go back to memory).
-template <class K>
+// float32: one pass comparing floats directly, with per-lane first indices
+// (a 600 KB row outgrows L2, so a second pass would go back to memory). For
+// non-NaN values float order is the key order of mtplx_rules.h (-0 == +0);
+// NaN is caught by x != x, and +Inf / all -Inf by the winning value.
 inline __attribute__((always_inline)) RowArgmax
-row_argmax_one_pass(const typename K::bits_t* x, int n) {
-  using KV = KeyVec<K>;
-  using vec = typename KV::vec;
-  constexpr int L = KV::lanes;
-  static_assert(sizeof(typename KV::key_t) == 4);
-
-  vec hi = vec{} + std::numeric_limits<int32_t>::min();
-  vec lo = vec{} + std::numeric_limits<int32_t>::max();
-  vec idx = vec{} + std::numeric_limits<int32_t>::max();
-  vec pos;
+row_argmax_f32_impl(const float* x, int n) {
+  typedef float vf __attribute__((vector_size(32)));
+  typedef int32_t vi __attribute__((vector_size(32)));
+  constexpr int L = 8;
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  vf hi0 = vf{} - inf, hi1 = hi0;
+  vi idx0 = vi{} + std::numeric_limits<int32_t>::max(), idx1 = idx0;
+  vi nan0 = vi{}, nan1 = vi{};
+  vi pos0, pos1;
   for (int j = 0; j < L; ++j) {
-    pos[j] = j;
+    pos0[j] = j;
+    pos1[j] = L + j;
   }
   int i = 0;
-  for (; i + L <= n; i += L, pos += L) {
-    vec k = KV::load_keys(x + i);
-    vec gt = k > hi; // strict: a lane keeps its first maximum
-    hi = gt ? k : hi;
-    idx = gt ? pos : idx;
-    lo = k < lo ? k : lo;
+  for (; i + 2 * L <= n; i += 2 * L, pos0 += 2 * L, pos1 += 2 * L) {
+    vf v0, v1;
+    std::memcpy(&v0, x + i, sizeof(vf));
+    std::memcpy(&v1, x + i + L, sizeof(vf));
+    vi gt0 = v0 > hi0; // strict: a lane keeps its first maximum
+    vi gt1 = v1 > hi1;
+    hi0 = gt0 ? v0 : hi0;
+    hi1 = gt1 ? v1 : hi1;
+    idx0 = gt0 ? pos0 : idx0;
+    idx1 = gt1 ? pos1 : idx1;
+    nan0 |= v0 != v0;
+    nan1 |= v1 != v1;
   }
-  int max_key = hi[0], best = idx[0], min_key = lo[0];
-  for (int j = 1; j < L; ++j) {
-    if (takes_over(hi[j], idx[j], max_key, best)) {
-      max_key = hi[j];
-      best = idx[j];
+  float best = -inf;
+  int best_idx = std::numeric_limits<int32_t>::max();
+  bool has_nan = false;
+  auto take = [&](float v, int k) {
+    if (v > best || (v == best && k < best_idx)) {
+      best = v;
+      best_idx = k;
     }
-    min_key = lo[j] < min_key ? int(lo[j]) : min_key;
+  };
+  for (int j = 0; j < L; ++j) {
+    take(hi0[j], idx0[j]);
+    take(hi1[j], idx1[j]);
+    has_nan |= (nan0[j] | nan1[j]) != 0;
   }
   for (; i < n; ++i) {
-    int k = K::key(x[i]);
-    if (k > max_key) {
-      max_key = k;
-      best = i;
-    }
-    min_key = k < min_key ? k : min_key;
+    has_nan |= x[i] != x[i];
+    take(x[i], i);
   }
-  bool valid = row_is_valid(max_key, min_key, K::pos_inf(), K::neg_inf());
-  return {valid ? best : kInvalid, valid};
+  bool valid = !has_nan && best != inf && best != -inf;
+  return {valid ? best_idx : kInvalid, valid};
 }
 
 // Two passes, for 16-bit keys: the extremes of the keys (pure lane-wise
@@ -137,12 +146,9 @@ row_argmax_two_pass(const typename K::bits_t* x, int n) {
 
 template <class K>
 inline __attribute__((always_inline)) RowArgmax
-row_argmax_impl(const typename K::bits_t* x, int n) {
-  if constexpr (sizeof(typename K::bits_t) == 4) {
-    return row_argmax_one_pass<K>(x, n);
-  } else {
-    return row_argmax_two_pass<K>(x, n);
-  }
+row_argmax_16(const typename K::bits_t* x, int n) {
+  static_assert(sizeof(typename K::bits_t) == 2);
+  return row_argmax_two_pass<K>(x, n);
 }
 
 RowArgmax row_argmax_f32(const uint32_t* x, int n);
