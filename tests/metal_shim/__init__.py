@@ -1,0 +1,1 @@
+"""Metal shim, kernel translator and threadgroup emulator (test infrastructure)."""
