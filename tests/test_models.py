@@ -109,8 +109,14 @@ def test_head_combine_matches_float64_reference(runtimes, seed, case):
         got = _np64(head.combine(hidden, embeds))
         a, b = (embeds, hidden) if first == "embed" else (hidden, embeds)
         eps = head.args.rms_norm_eps
+        # Qwen3-Next head norms hold zero-centred weights and scale by 1 + w.
+        off = 1.0 if case[1] == "qwen3_next" else 0.0
         cat = np.concatenate(
-            [_rms64(_np64(a), _np64(n1.weight), eps), _rms64(_np64(b), _np64(n2.weight), eps)], -1
+            [
+                _rms64(_np64(a), off + _np64(n1.weight), eps),
+                _rms64(_np64(b), off + _np64(n2.weight), eps),
+            ],
+            -1,
         )
         ref = cat @ _np64(getattr(head, proj).weight).T
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import create_attention_mask
 
 from mtplx_ext.models import trunk as trunk_lib
@@ -54,7 +54,6 @@ class MTPHead(nn.Module):
 
     layout: str = ""
     prefix: str = ""
-    zero_centred_norms: bool = False
 
     def __init__(self, args: HeadArgs, trunk: nn.Module):
         super().__init__()
@@ -96,40 +95,51 @@ class MTPHead(nn.Module):
 
     # -- checkpoint names ------------------------------------------------
 
-    def norm_weight_names(self) -> set[str]:
-        """Module-relative names of every RMSNorm weight in the head."""
-        return {
-            f"{name}.weight"
+    def use_zero_centred_norms(self) -> None:
+        """Swaps every RMSNorm of the head for a `ZeroCentredRMSNorm`."""
+        swaps = [
+            (name, ZeroCentredRMSNorm(m.weight.shape[0], m.eps))
             for name, m in self.named_modules()
             if isinstance(m, nn.RMSNorm) and name
-        }
+        ]
+        self.update_modules(tree_unflatten(swaps))
 
     def to_checkpoint_name(self, name: str) -> str:
         """Checkpoint key of a module-relative parameter name."""
         return self.prefix + name
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Checkpoint head weights -> module-relative names and values.
+        """Checkpoint head weights -> module-relative names.
 
         Args:
             weights: the head's checkpoint entries (full checkpoint keys).
 
         Returns:
-            Weights to load with `load_weights`; zero-centred norms get +1.
+            Weights to load with `load_weights`.
         """
-        out = {k[len(self.prefix):]: v for k, v in weights.items() if k.startswith(self.prefix)}
-        if self.zero_centred_norms:
-            for k in self.norm_weight_names() & out.keys():
-                out[k] = out[k] + 1.0
-        return out
+        return {k[len(self.prefix):]: v for k, v in weights.items() if k.startswith(self.prefix)}
 
     def checkpoint_weights(self) -> dict[str, mx.array]:
         """The head's parameters under checkpoint names, as stored on disk."""
-        norms = self.norm_weight_names() if self.zero_centred_norms else set()
-        out = {}
-        for name, v in tree_flatten(self.parameters()):
-            out[self.to_checkpoint_name(name)] = v - 1.0 if name in norms else v
-        return out
+        return {self.to_checkpoint_name(k): v for k, v in tree_flatten(self.parameters())}
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """RMSNorm whose weight w is stored zero-centred: it scales by 1 + w.
+
+    Qwen3-Next checkpoints store norm weights this way. Holding w itself
+    (rather than adding 1 on load, as mlx-lm does for the trunk) keeps save
+    and load bit-exact in both directions: w + 1 - 1 != w in floating point.
+    The computation is the same as mlx-lm's: rms_norm(x, 1 + w) in w's dtype.
+    """
+
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
 def take_prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -188,7 +198,4 @@ class FlatBlockHead(MTPHead):
         lead = len("model.layers.0.")
         out = {k[lead:]: v for k, v in own.items()}
         out.update({"block." + k[lead:]: v for k, v in block.items() if k.startswith("model.layers.0.")})
-        if self.zero_centred_norms:
-            for k in self.norm_weight_names() & out.keys():
-                out[k] = out[k] + 1.0
         return out

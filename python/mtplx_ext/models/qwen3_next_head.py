@@ -9,8 +9,10 @@ Checkpoint keys::
     mtp.norm.weight                    final RMSNorm
 
 Embedding and lm_head are shared with the trunk. These checkpoints store
-every RMSNorm weight zero-centred (the module computes with 1 + w), so the
-head adds 1 on load and subtracts it on save, as mlx-lm does for the trunk.
+every RMSNorm weight of the head zero-centred (the norm scales by 1 + w).
+The head keeps them so (`ZeroCentredRMSNorm` adds the 1 when it runs), which
+computes what mlx-lm's +1-on-load computes while keeping load and save
+bit-exact.
 """
 
 from __future__ import annotations
@@ -46,7 +48,6 @@ def detect(weights: dict, config: dict) -> bool:
 class Model(MTPHead):
     layout = LAYOUT
     prefix = PREFIX
-    zero_centred_norms = True
 
     def __init__(self, args: ModelArgs, trunk: nn.Module):
         super().__init__(args, trunk)
@@ -56,6 +57,7 @@ class Model(MTPHead):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layers = [trunk_lib.make_attention_layer(trunk)]
         self.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
+        self.use_zero_centred_norms()
 
     def combine(self, hidden: mx.array, embeds: mx.array) -> mx.array:
         e = self.pre_fc_norm_embedding(embeds)
@@ -69,7 +71,7 @@ class Model(MTPHead):
         return self.layers
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """HF keys (per-expert MoE weights included) -> module names, norms +1."""
+        """HF keys (per-expert MoE weights included) -> module names."""
         weights = dict(weights)
         stack_experts(weights, f"{PREFIX}layers.0.mlp", self.args.num_experts)
         return super().sanitize(weights)
