@@ -290,7 +290,15 @@ class _Decoder:
 class _Streams:
     """Host-side bookkeeping: committed tokens, finish reasons, statistics."""
 
-    def __init__(self, n: int, max_new_tokens: int, stop_ids: frozenset[int], on_commit: OnCommit | None):
+    def __init__(
+        self,
+        n: int,
+        vocab_size: int,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        on_commit: OnCommit | None,
+    ):
+        self.vocab_size = vocab_size
         self.result = BatchedDecodeResult(streams=[StreamResult() for _ in range(n)])
         self.max_new = max_new_tokens
         self.stop_ids = stop_ids
@@ -310,26 +318,25 @@ class _Streams:
             None); repair is True when a stream that goes on rejected.
 
         Raises:
-            RuntimeError: naming the first live stream whose row is invalid.
+            RuntimeError: naming the first stream that needs a token from an
+                invalid row (accept = -1 or an out-of-vocabulary token).
         """
-        live = ~self.done
-        bad = live & ((tokens < 0).any(axis=1) if accept is None else accept < 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise RuntimeError(
-                f"stream {i}: invalid decode row (non-finite logits or a token outside "
-                f"the vocabulary) after {self.count[i]} committed tokens"
-            )
         commits = []
         repair = False
-        for i in np.flatnonzero(live):
+        for i in np.flatnonzero(~self.done):
             new: list[int] = []
             reason = None
             for j in range(tokens.shape[1]):
-                if j == 1 and accept is not None:
+                if j == 1:
+                    # The second token is needed only if the stream goes on
+                    # after x0, so only then is an invalid row an error.
+                    if accept[i] < 0:
+                        self._fail(i, "non-finite verification logits")
                     self.result.drafted += 1
                     self.result.accepted += int(accept[i] == 1)
                 t = int(tokens[i, j])
+                if not 0 <= t < self.vocab_size:
+                    self._fail(i, f"token {t} outside the vocabulary (non-finite logits)")
                 new.append(t)
                 if t in self.stop_ids:
                     reason = "stop"
@@ -344,6 +351,9 @@ class _Streams:
                 repair = True
             commits.append((int(i), new, reason))
         return commits, repair
+
+    def _fail(self, i: int, why: str) -> None:
+        raise RuntimeError(f"stream {i}: invalid decode row ({why}) after {self.count[i]} committed tokens")
 
     def apply(self, commits: list) -> None:
         """Appends committed tokens and calls the on_commit callback."""
@@ -495,7 +505,7 @@ def generate_batched(
     mx.eval(tokens, [c.state for c in dec.caches()[0]])
     t1 = time.perf_counter()
 
-    st = _Streams(len(prompts), max_new_tokens, stop_ids, on_commit)
+    st = _Streams(len(prompts), vocab, max_new_tokens, stop_ids, on_commit)
     first = dec.verify_step(tokens, info) if use_mtp_draft else _Pending(tokens)
     if use_mtp_draft:
         st.result.forwards += 1

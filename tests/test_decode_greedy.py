@@ -1,0 +1,362 @@
+"""generate_greedy_batched: lossless against mlx-lm's own greedy decoding.
+
+Every stream of a batched decode must equal plain greedy decoding of its
+prompt alone with `mlx_lm.generate.generate_step` on the same trunk, token
+for token. The one allowed difference is a genuine near tie: at the first
+mismatch the reference's top-2 logit gap must be below TIE_TOL (batched and
+single-stream forwards use different matmul shapes, so float32 rounding can
+flip an exact-looking tie). Mismatches are never skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+import mtplx_ext
+from mtplx_ext import generate_greedy_batched
+
+#: Top-2 gap (nats) below which a batched/single-stream argmax flip is a tie.
+TIE_TOL = 1e-4
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+def _runtime(model_type: str, rng: np.random.Generator, **kw):
+    return mtplx_ext.init_random(model_type, seed=int(rng.integers(1 << 30)), **kw)
+
+
+def _prompts(rng: np.random.Generator, vocab: int, B: int, max_len: int = 12) -> list[list[int]]:
+    lengths = rng.integers(1, max_len + 1, size=B)
+    if B > 1:
+        lengths[0], lengths[1] = 1, max_len  # always ragged, extremes included
+    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lengths]
+
+
+def _argmax(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def reference(rt, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """mlx-lm greedy decoding of one prompt: tokens and top-2 logit gaps."""
+    tokens, gaps = [], []
+    for tok, logprobs in generate_step(mx.array(prompt), rt.trunk, max_tokens=n, sampler=_argmax):
+        top = np.sort(np.array(logprobs, dtype=np.float64))[-2:]
+        tokens.append(int(tok))
+        gaps.append(float(top[1] - top[0]))
+    return tokens, gaps
+
+
+def expected(ref: list[int], stops: set[int], cap: int) -> list[int]:
+    out = []
+    for t in ref[:cap]:
+        out.append(t)
+        if t in stops:
+            break
+    return out
+
+
+def check_stream(i: int, stream, ref: list[int], gaps: list[float], stops: set[int], cap: int) -> bool:
+    """Asserts one stream matches its reference; False if it left it at a near tie."""
+    got = stream.tokens
+    assert len(got) <= cap
+    assert all(t not in stops for t in got[:-1]), f"stream {i} went on after a stop token"
+    exp = expected(ref, stops, cap)
+    for j, (g, e) in enumerate(zip(got, exp)):
+        if g != e:
+            assert gaps[j] < TIE_TOL, (
+                f"stream {i}, token {j}: got {g}, reference {e}; reference top-2 gap "
+                f"{gaps[j]:.3g} is not a near tie"
+            )
+            if stream.finish_reason == "length":
+                assert len(got) == cap and got[-1] not in stops
+            else:
+                assert stream.finish_reason == "stop" and got[-1] in stops
+            return False
+    assert got == exp, f"stream {i}: got {got}, expected {exp}"
+    assert stream.finish_reason == ("stop" if exp[-1] in stops else "length")
+    return True
+
+
+def check_counters(r, mtp: bool) -> None:
+    assert r.host_syncs == r.cycles
+    assert r.prefill_s > 0 and r.decode_s > 0
+    if mtp:
+        assert r.forwards == r.cycles + r.repair_cycles
+        assert 0 <= r.accepted <= r.drafted
+    else:
+        assert r.repair_cycles == r.drafted == r.accepted == 0
+        assert r.forwards == r.cycles - 1
+        assert r.cycles == max(len(s.tokens) for s in r.streams)
+
+
+class ScriptedHead:
+    """A runtime whose head drafts scripted tokens instead of its own.
+
+    The head still runs (so its cache is exercised); only the logits of the
+    last position, the ones the draft comes from, are replaced. The drafted
+    position is found from the head cache's per-row offset.
+
+    Modes: "oracle" drafts the reference's token (always right), "wrong" a
+    different one (always wrong), "mixed" one or the other at random.
+    """
+
+    def __init__(self, rt, refs: list[list[int]], prompts: list[list[int]], mode: str, rng):
+        self.rt = rt
+        self.refs = refs
+        self.lengths = [len(p) for p in prompts]
+        self.mode = mode
+        self.rng = rng
+        self.coins: dict[tuple[int, int], bool] = {}
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def _token(self, i: int, g: int) -> int:
+        V = self.rt.vocab_size
+        ref = self.refs[i]
+        if g >= len(ref):
+            return 0
+        right = self.mode == "oracle"
+        if self.mode == "mixed":
+            if (i, g) not in self.coins:  # one coin per drafted position, however often asked
+                self.coins[i, g] = bool(self.rng.random() < 0.5)
+            right = self.coins[i, g]
+        return ref[g] if right else (ref[g] + 1) % V
+
+    def head_forward(self, hidden, next_tokens, head_cache):
+        offset = np.array(head_cache[0].offset)
+        logits = self.rt.head_forward(hidden, next_tokens, head_cache)
+        B, T = next_tokens.shape
+        want = [self._token(i, int(offset[i]) + T + 1 - self.lengths[i]) for i in range(B)]
+        last = np.zeros((B, logits.shape[-1]), np.float32)
+        last[np.arange(B), want] = 30.0
+        return mx.concatenate([logits[:, :-1], mx.array(last)[:, None]], axis=1)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_type, B):
+    rng = _rng()
+    rt = _runtime(model_type, rng)
+    V = rt.vocab_size
+    prompts = _prompts(rng, V, B)
+    cap = int(rng.integers(6, 14)) | 1  # odd: the cap falls between a cycle's two tokens
+    refs = [reference(rt, p, cap) for p in prompts]
+    # A stop token from inside some reference, so streams do stop early.
+    k = int(rng.integers(B))
+    stops = {refs[k][0][int(rng.integers(1, cap))]} if B > 1 else set()
+    head = ScriptedHead(rt, [r[0] for r in refs], prompts, "mixed", rng)
+    runs = {
+        "plain": (rt, dict(use_mtp_draft=False)),
+        "mtp_own_head": (rt, dict(use_mtp_draft=True)),
+        "mtp_mixed_head": (head, dict(use_mtp_draft=True)),
+    }
+    for name, (runtime, kw) in runs.items():
+        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, **kw)
+        assert len(r.streams) == B
+        for i, s in enumerate(r.streams):
+            check_stream(i, s, *refs[i], stops, cap)
+        check_counters(r, kw["use_mtp_draft"])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+def test_oracle_head_never_repairs_and_wrong_head_repairs_every_cycle_but_the_last(model_type):
+    rng = _rng()
+    rt = _runtime(model_type, rng)
+    prompts = _prompts(rng, rt.vocab_size, 4)
+    cap = int(rng.integers(5, 12))
+    refs = [reference(rt, p, cap) for p in prompts]
+    ref_tokens = [r[0] for r in refs]
+    cycles = math.ceil(cap / 2)
+
+    oracle = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "oracle", rng), prompts, max_new_tokens=cap)
+    wrong = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "wrong", rng), prompts, max_new_tokens=cap)
+    exact = True
+    for r in (oracle, wrong):
+        check_counters(r, True)
+        for i, s in enumerate(r.streams):
+            exact &= check_stream(i, s, *refs[i], set(), cap)
+    if exact:  # scripted drafts follow the reference, so they are exact only without a near tie
+        assert oracle.cycles == wrong.cycles == cycles
+        assert oracle.repair_cycles == 0 and oracle.acceptance_rate == 1.0
+        assert oracle.forwards == cycles
+        assert wrong.repair_cycles == cycles - 1 and wrong.accepted == 0
+        assert wrong.forwards == 2 * cycles - 1
+        assert oracle.drafted == wrong.drafted == 4 * (cap // 2)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type):
+    rng = _rng()
+    rt = _runtime(model_type, rng)
+    prompts = _prompts(rng, rt.vocab_size, 5)
+    cap = int(rng.integers(8, 16))
+    refs = [reference(rt, p, cap)[0] for p in prompts]
+    stops = {refs[2][int(rng.integers(cap))]}
+    for mtp in (False, True):
+        results = []
+        for serial in (True, False):
+            runtime = ScriptedHead(rt, refs, prompts, "mixed", np.random.default_rng(7)) if mtp else rt
+            committed: dict[int, list[int]] = {}
+            r = generate_greedy_batched(
+                runtime,
+                prompts,
+                max_new_tokens=cap,
+                stop_token_ids=stops,
+                use_mtp_draft=mtp,
+                serial=serial,
+                on_commit=lambda i, toks: committed.setdefault(i, []).extend(toks),
+            )
+            check_counters(r, mtp)
+            assert {i: s.tokens for i, s in enumerate(r.streams)} == committed
+            results.append(r)
+        s, p = results
+        assert [x.tokens for x in s.streams] == [x.tokens for x in p.streams]
+        assert [x.finish_reason for x in s.streams] == [x.finish_reason for x in p.streams]
+        for f in ("cycles", "forwards", "repair_cycles", "drafted", "accepted", "host_syncs"):
+            assert getattr(s, f) == getattr(p, f), f
+
+
+class StateRecorder:
+    """Records the recurrent state (host copies) at every [B, 2] trunk forward."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        self.states: list[list[np.ndarray]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def forward(self, tokens, cache):
+        if tokens.shape[1] == 2:
+            from mtplx_ext.cache_state import recurrent_leaves
+
+            self.states.append([np.array(a) for a in recurrent_leaves(cache)])
+        return self.rt.forward(tokens, cache)
+
+
+def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_drafted():
+    rng = _rng()
+    rt = _runtime("qwen3_next", rng)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    cap = int(rng.integers(6, 11))
+    refs = [reference(rt, p, cap) for p in prompts]
+
+    runs = {}
+    exact = True
+    for mode in ("oracle", "wrong"):
+        rec = StateRecorder(ScriptedHead(rt, [r[0] for r in refs], prompts, mode, rng))
+        r = generate_greedy_batched(rec, prompts, max_new_tokens=cap, serial=True)
+        runs[mode] = (r, rec.states)
+        for i, s in enumerate(r.streams):
+            exact &= check_stream(i, s, *refs[i], set(), cap)
+    if not exact:
+        pytest.skip("a genuine near tie made the scripted drafts leave the reference")
+    (o, o_states), (w, w_states) = runs["oracle"], runs["wrong"]
+    # Oracle: one verification per cycle. Wrong head: verification, then a
+    # repair from the restored state, every cycle but the last.
+    assert len(o_states) == o.cycles and len(w_states) == 2 * w.cycles - 1 and w.repair_cycles > 0
+    for c in range(w.cycles):
+        before_verify = w_states[2 * c]
+        for a, b in zip(before_verify, o_states[c]):
+            assert a.dtype == b.dtype and np.array_equal(a, b), f"cycle {c}: state drifted"
+        if c < w.cycles - 1:
+            for a, b in zip(w_states[2 * c + 1], before_verify):
+                assert np.array_equal(a, b), f"cycle {c}: restore was not bit-exact"
+
+
+class PoisonRow:
+    """Makes the trunk's logits NaN for one stream from the n-th decode forward on."""
+
+    def __init__(self, rt, row: int, after: int):
+        self.rt, self.row, self.after, self.calls = rt, row, after, 0
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def forward(self, tokens, cache):
+        decoding = cache[0].size() > 0
+        logits, hidden = self.rt.forward(tokens, cache)
+        if decoding:
+            self.calls += 1
+            if self.calls > self.after:
+                bad = (mx.arange(logits.shape[0]) == self.row)[:, None, None]
+                logits = mx.where(bad, mx.array(float("nan"), logits.dtype), logits)
+        return logits, hidden
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+@pytest.mark.parametrize("serial", [False, True])
+def test_nan_logits_of_a_live_stream_raise_an_error_naming_it(mtp, serial):
+    rng = _rng()
+    rt = _runtime("qwen3", rng)
+    prompts = _prompts(rng, rt.vocab_size, 4)
+    row = int(rng.integers(4))
+    runtime = PoisonRow(rt, row, after=int(rng.integers(0, 3)))
+    with pytest.raises(RuntimeError, match=rf"^stream {row}:"):
+        generate_greedy_batched(runtime, prompts, max_new_tokens=12, use_mtp_draft=mtp, serial=serial)
+
+
+def test_nan_logits_of_a_finished_stream_are_ignored():
+    rng = _rng()
+    rt = _runtime("qwen3_next", rng)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    cap = 9
+    refs = [reference(rt, p, cap) for p in prompts]
+    stop = refs[0][0][0]  # stream 0 stops at its first token
+    stops = {stop}
+    runtime = PoisonRow(rt, 0, after=0)
+    r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops)
+    assert r.streams[0].tokens == [stop] and r.streams[0].finish_reason == "stop"
+    for i in (1, 2):
+        check_stream(i, r.streams[i], *refs[i], stops, cap)
+
+
+def test_bad_arguments_raise_errors_naming_them():
+    rng = _rng()
+    rt = _runtime("qwen3", rng)
+    V = rt.vocab_size
+    ok = [[1, 2, 3], [4]]
+    cases = [
+        (dict(prompts=[]), ValueError, "prompts"),
+        (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\]"),
+        (dict(prompts=[[1, V]]), ValueError, r"prompts\[0\]\[1\]"),
+        (dict(prompts=[[-1, 2]]), ValueError, r"prompts\[0\]\[0\]"),
+        (dict(prompts=[[1.5]]), TypeError, r"prompts\[0\]\[0\]"),
+        (dict(prompts="abc"), TypeError, "prompts"),
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=2.0), TypeError, "max_new_tokens"),
+        (dict(reject_mode="rollback"), ValueError, "reject_mode"),
+        (dict(stop_token_ids=[V + 3]), ValueError, "stop_token_ids"),
+    ]
+    for overrides, err, pattern in cases:
+        kw = dict(prompts=ok, max_new_tokens=4)
+        kw.update(overrides)
+        with pytest.raises(err, match=pattern):
+            generate_greedy_batched(rt, kw.pop("prompts"), **kw)
+
+    plain = _runtime("qwen3", rng, head_layout=None)
+    with pytest.raises(ValueError, match="use_mtp_draft"):
+        generate_greedy_batched(plain, ok, max_new_tokens=4)
+    r = generate_greedy_batched(plain, ok, max_new_tokens=3, use_mtp_draft=False)
+    assert [len(s.tokens) for s in r.streams] == [3, 3]
+
+
+def test_generate_batched_is_greedy_at_temperature_zero_and_refuses_sampling():
+    from types import SimpleNamespace
+
+    rng = _rng()
+    rt = _runtime("qwen3", rng)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    greedy = generate_greedy_batched(rt, prompts, max_new_tokens=7)
+    zero = mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.0))
+    assert [s.tokens for s in zero.streams] == [s.tokens for s in greedy.streams]
+    with pytest.raises(NotImplementedError):
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.7))
