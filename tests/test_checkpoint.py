@@ -20,6 +20,7 @@ CASES = [
     ("qwen3_next", "qwen3_next"),
     ("deepseek_v3", "deepseek"),
     ("mimo", "mimo"),
+    ("glm4_moe", "deepseek"),
     ("qwen3", "deepseek"),
     ("qwen3", "mimo"),
 ]
@@ -31,7 +32,7 @@ _ATTN_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def head_norm_keys(layout: str, family: str, n: int) -> set[str]:
-    qk = ("self_attn.q_norm", "self_attn.k_norm") if family in ("qwen3", "qwen3_next") else ()
+    qk = ("self_attn.q_norm", "self_attn.k_norm") if family in ("qwen3", "qwen3_next", "glm4_moe") else ()
     if family == "deepseek_v3":
         qk = ("self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")
     block = [f"{m}.weight" for m in (*_ATTN_NORMS, *qk)]
@@ -166,13 +167,35 @@ def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp
     assert all(np.array_equal(again[k], weights[k]) for k in weights)
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=IDS[:4])
+@pytest.mark.parametrize("case", CASES[:5], ids=IDS[:5])
 def test_mlx_lm_load_model_reads_saved_trunk_with_same_logits(tmp_path, seed, case):
     rt = randomized(*case, seed)
     rt.save(tmp_path)
     model, _ = load_model(Path(tmp_path), strict=False)
     tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 6)), dtype=mx.int32)
     assert mx.array_equal(model(tokens), rt.forward(tokens)[0]).item()
+
+
+def test_tied_embedding_model_round_trips_and_mlx_lm_reads_it(tmp_path, seed):
+    rt = randomized("qwen3", "qwen3_next", seed, tie_word_embeddings=True)
+    assert "lm_head" not in rt.trunk
+    rt.save(tmp_path)
+    assert not any(k.startswith("lm_head") for k in load_file(tmp_path / "model.safetensors"))
+    back = mtplx_ext.load(tmp_path)
+    a, b = params_np(rt), params_np(back)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 5)), dtype=mx.int32)
+    model, _ = load_model(Path(tmp_path), strict=False)
+    logits, hidden = rt.forward(tokens)
+    assert mx.array_equal(model(tokens), logits).item()
+    emb = np.array(rt.trunk.model.embed_tokens.weight, dtype=np.float64)
+    x = rt.head(hidden, rt.trunk.model.embed_tokens(tokens))
+    np.testing.assert_allclose(
+        np.array(rt.head_forward(hidden, tokens), dtype=np.float64),
+        np.array(x, dtype=np.float64) @ emb.T,
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_hf_per_expert_head_weights_are_stacked_on_load(tmp_path, seed):

@@ -17,6 +17,7 @@ CASES = [
     ("qwen3", "qwen3_next"),
     ("qwen3_next", "qwen3_next"),
     ("deepseek_v3", "deepseek"),
+    ("glm4_moe", "deepseek"),
     ("mimo", "mimo"),
 ]
 IDS = [f"{f}-{h}" for f, h in CASES]

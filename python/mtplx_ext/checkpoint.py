@@ -80,6 +80,24 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
     },
+    "glm4_moe": {
+        **_SMALL_COMMON,
+        "num_hidden_layers": 2,
+        "head_dim": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "use_qk_norm": True,
+        "attention_bias": True,
+        "partial_rotary_factor": 0.5,
+        "rope_scaling": None,
+    },
     "mimo": {**_SMALL_COMMON, "num_hidden_layers": 2, "num_nextn_predict_layers": 1},
 }
 
@@ -225,7 +243,7 @@ def init_random(
     """Makes a small random model of a family, float32, fast on a CPU.
 
     Args:
-        model_type: "qwen3", "qwen3_next", "deepseek_v3" or "mimo".
+        model_type: "qwen3", "qwen3_next", "deepseek_v3", "glm4_moe" or "mimo".
         seed: seeds MLX's global random generator before initialisation.
         head_layout: "qwen3_next", "deepseek", "mimo", or None for no MTP
             head; defaults to the family's own layout.

@@ -152,7 +152,7 @@ def make_attention_layer(trunk: nn.Module) -> nn.Module:
     idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
     if family == "qwen3_next":
         return type(layers[0])(args, args.full_attention_interval - 1)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe"):
         return type(layers[0])(args, args.num_hidden_layers)
     if idx is None:
         raise ValueError(f"trunk family {family!r} has no full-attention layer to copy")
