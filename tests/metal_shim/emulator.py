@@ -2,9 +2,9 @@
 
 The emulator library holds every kernel of ``metal/*.metal`` (translated by
 metal2cpp.py, compiled as C++ against metal_shim.h) plus the deliberately
-broken fixtures of ``broken/``, the fiber runtime and the primitives' host
+broken fixtures of ``broken/`` and the self-test kernels of ``probes/``, the fiber runtime and the primitives' host
 launch plans. Kernels are looked up by their Metal host name; fixture kernels
-are named ``broken/<fixture>/<host name>``.
+are named ``broken/<fixture>/<host name>``, probes ``probe/<name>``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from .metal2cpp import SHIM_DIR, translate
 REPO = SHIM_DIR.parents[1]
 METAL_DIR = REPO / "metal"
 BROKEN_DIR = SHIM_DIR / "broken"
+PROBE_DIR = SHIM_DIR / "probes"
 CXX_FLAGS = ["-std=c++17", "-O1", "-fPIC", "-g0", "-w"]
 LIB_NAME = "libmetal_emu.so"
 
@@ -41,6 +42,7 @@ def kernel_sources() -> list[tuple[Path, str]]:
     """(.metal file, host-name prefix) of every kernel the library holds."""
     srcs = [(p, "") for p in sorted(METAL_DIR.glob("*.metal"))]
     srcs += [(p, f"broken/{p.stem}/") for p in sorted(BROKEN_DIR.glob("*.metal"))]
+    srcs += [(p, "probe/") for p in sorted(PROBE_DIR.glob("*.metal"))]
     return srcs
 
 
@@ -147,6 +149,7 @@ class Emulator:
             c.c_int,
         ]
         self.lib.memu_verify_greedy.argtypes = [
+            c.c_char_p,
             c.c_void_p,
             c.c_uint64,
             c.c_char_p,
@@ -162,6 +165,7 @@ class Emulator:
             c.c_int,
         ]
         self.lib.memu_state_copy.argtypes = [
+            c.c_char_p,
             c.c_int,
             c.POINTER(c.c_void_p),
             c.POINTER(c.c_void_p),
@@ -250,6 +254,7 @@ class Emulator:
         tokens: np.ndarray,
         bundle: np.ndarray,
         threads: int = 0,
+        prefix: str = "",
     ) -> np.ndarray:
         """verify_greedy's Metal launch (host plan included) into `bundle`.
 
@@ -260,6 +265,7 @@ class Emulator:
             tokens: [B, 2] int32 or int64.
             bundle: [B, 5] int32 output (poison it first).
             threads: threads per threadgroup; 0 lets the host plan choose.
+            prefix: "broken/<fixture>/" runs a fixture's copy of the kernel.
         """
         B, _, V = logits.shape
         for name, a in (("logits", logits), ("tokens", tokens), ("bundle", bundle)):
@@ -267,6 +273,7 @@ class Emulator:
                 raise ValueError(f"{name} must be C-contiguous")
         err = ctypes.create_string_buffer(_ERR_LEN)
         rc = self.lib.memu_verify_greedy(
+            prefix.encode(),
             logits.ctypes.data,
             logits.nbytes,
             dtype.encode(),
@@ -291,6 +298,7 @@ class Emulator:
         live: Sequence[np.ndarray] | None = None,
         row_mask: np.ndarray | None = None,
         threads: int = 0,
+        prefix: str = "",
     ) -> None:
         """snapshot_state / restore_state's Metal launches into `outputs`.
 
@@ -312,6 +320,7 @@ class Emulator:
             np.ascontiguousarray(row_mask, dtype=np.bool_) if masked else None
         )
         rc = self.lib.memu_state_copy(
+            prefix.encode(),
             n,
             P(*[a.ctypes.data for a in snapshot]),
             P(*[a.ctypes.data for a in live]),

@@ -26,8 +26,10 @@ constexpr double kTimeout = 120.0;
 
 extern "C" {
 
-// verify_greedy as eval_gpu launches it. threads = 0 uses the plan's size.
+// verify_greedy as eval_gpu launches it. threads = 0 uses the plan's size;
+// prefix selects a test fixture's copy of the kernel ("" for the real one).
 int memu_verify_greedy(
+    const char* prefix,
     void* logits,
     uint64_t logits_bytes,
     const char* dtype,
@@ -41,7 +43,8 @@ int memu_verify_greedy(
     int threads,
     char* err,
     int err_len) {
-  std::string name = mtplx::metal::verify_greedy_kernel(dtype, tok64 != 0);
+  std::string name =
+      prefix + mtplx::metal::verify_greedy_kernel(dtype, tok64 != 0);
   int tg = threads > 0 ? threads
                        : mtplx::metal::verify_greedy_threads(vocab, 1024);
   uint32_t grid[3] = {uint32_t(batch), 1, 1};
@@ -56,6 +59,7 @@ int memu_verify_greedy(
 // snapshot_state (masked = 0, live unused) and restore_state as eval_gpu
 // launches them: leaves in groups of kMaxCopyLeaves, one launch per group.
 int memu_state_copy(
+    const char* prefix,
     int n_leaves,
     void* const* snap,
     void* const* live,
@@ -102,9 +106,10 @@ int memu_state_copy(
     uint32_t grid[3] = {
         uint32_t(launch.groups_x), uint32_t(launch.leaves.size()), 1};
     uint32_t tgs[3] = {uint32_t(tg), 1, 1};
-    const char* name = masked ? "state_copy_masked" : "state_copy";
+    std::string name =
+        std::string(prefix) + (masked ? "state_copy_masked" : "state_copy");
     int rc = memu_launch(
-        name, grid, tgs, 26, ptrs, sizes, 0, nullptr, kTimeout, err, err_len);
+        name.c_str(), grid, tgs, 26, ptrs, sizes, 0, nullptr, kTimeout, err, err_len);
     if (rc != 0) {
       return rc;
     }

@@ -1,0 +1,56 @@
+// Emulator self-test kernels: each lane records what the simd-group functions
+// return, so the tests can compare the emulator with Metal's documented
+// semantics computed in numpy. Never built into the metallib.
+#include <metal_stdlib>
+
+using namespace metal;
+
+constant int kProbeCols = 14;
+
+[[kernel]] void simd_probe(
+    const device int* in [[buffer(0)]],
+    device int* out [[buffer(1)]],
+    uint gid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  int x = in[gid];
+  device int* o = out + gid * kProbeCols;
+  o[0] = simd_sum(x);
+  o[1] = simd_max(x);
+  o[2] = simd_min(x);
+  o[3] = simd_prefix_inclusive_sum(x);
+  o[4] = simd_prefix_exclusive_sum(x);
+  o[5] = simd_shuffle_down(x, 3);
+  o[6] = simd_shuffle_up(x, 5);
+  o[7] = simd_shuffle_xor(x, 6);
+  o[8] = simd_broadcast(x, 7);
+  o[9] = simd_shuffle(x, ushort((lane * 7) % 32));
+  o[10] = int(uint(ulong(simd_ballot(x > 0)) & 0xFFFFFFFFul));
+  o[11] = int(simd_any(x > 40)) + 2 * int(simd_all(x > -40));
+  o[12] = 0;
+  if (lane < 16) {
+    o[12] = simd_sum(x); // divergent: only the lower half is active
+  }
+  o[13] = simd_shuffle_rotate_down(x, 30);
+}
+
+// Reads the per-thread values back through threadgroup memory, correctly
+// synchronised: must run clean.
+[[kernel]] void tg_probe(
+    const device float* in [[buffer(0)]],
+    device float* out [[buffer(1)]],
+    uint gid [[thread_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint n [[threads_per_threadgroup]]) {
+  threadgroup float shared[1024];
+  shared[tid] = in[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = shared[(tid + 1) % n];
+}
+
+// Shuffle with a lane-dependent offset: Metal requires it uniform.
+[[kernel]] void nonuniform_shuffle_probe(
+    device int* out [[buffer(0)]],
+    uint gid [[thread_position_in_grid]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  out[gid] = simd_shuffle_down(int(gid), ushort(lane & 1));
+}
