@@ -18,6 +18,7 @@ import mtplx_ext
 CASES = [
     ("qwen3", "qwen3_next"),
     ("qwen3_next", "qwen3_next"),
+    ("qwen3_5", "qwen3_next"),
     ("deepseek_v3", "deepseek"),
     ("mimo", "mimo"),
     ("glm4_moe", "deepseek"),
@@ -32,7 +33,8 @@ _ATTN_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
 def head_norm_keys(layout: str, family: str, n: int) -> set[str]:
-    qk = ("self_attn.q_norm", "self_attn.k_norm") if family in ("qwen3", "qwen3_next", "glm4_moe") else ()
+    qk_families = ("qwen3", "qwen3_next", "qwen3_5", "glm4_moe")
+    qk = ("self_attn.q_norm", "self_attn.k_norm") if family in qk_families else ()
     if family == "deepseek_v3":
         qk = ("self_attn.q_a_layernorm", "self_attn.kv_a_layernorm")
     block = [f"{m}.weight" for m in (*_ATTN_NORMS, *qk)]
@@ -138,9 +140,10 @@ def test_stored_head_norms_follow_layout_convention(tmp_path, seed, case):
     # The trunk's own final norm is stored as mlx-lm holds it and used as is.
     x = np.random.default_rng(seed + 1).normal(size=(2, rt.config["hidden_size"]))
     norm = rt.trunk.model.norm
+    key = ("language_model." if family == "qwen3_5" else "") + "model.norm.weight"
     np.testing.assert_allclose(
         np.array(norm(mx.array(x, dtype=mx.float32)), dtype=np.float64),
-        _rms64(x, stored["model.norm.weight"].astype(np.float64), norm.eps),
+        _rms64(x, stored[key].astype(np.float64), norm.eps),
         rtol=1e-5,
         atol=1e-5,
     )
@@ -167,7 +170,7 @@ def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp
     assert all(np.array_equal(again[k], weights[k]) for k in weights)
 
 
-@pytest.mark.parametrize("case", CASES[:5], ids=IDS[:5])
+@pytest.mark.parametrize("case", CASES[:6], ids=IDS[:6])
 def test_mlx_lm_load_model_reads_saved_trunk_with_same_logits(tmp_path, seed, case):
     rt = randomized(*case, seed)
     rt.save(tmp_path)
@@ -198,21 +201,41 @@ def test_tied_embedding_model_round_trips_and_mlx_lm_reads_it(tmp_path, seed):
     )
 
 
-def test_hf_per_expert_head_weights_are_stacked_on_load(tmp_path, seed):
-    rt = randomized("qwen3_next", "qwen3_next", seed, num_experts=4, num_experts_per_tok=2)
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_hf_expert_head_weights_are_stacked_on_load(tmp_path, seed, family):
+    rt = randomized(family, "qwen3_next", seed, num_experts=4, num_experts_per_tok=2)
     rt.save(tmp_path / "a")
     w = load_file(tmp_path / "a" / "model.safetensors")
-    stacked = [k for k in w if k.startswith("mtp.layers.0.mlp.switch_mlp.")]
-    assert len(stacked) == 3
-    for k in stacked:  # rewrite as one tensor per expert, as HF stores them
-        proj = k.split(".")[-2]
-        for e, part in enumerate(w.pop(k)):
-            w[f"mtp.layers.0.mlp.experts.{e}.{proj}.weight"] = part
+    pre = "mtp.layers.0.mlp."
+    sw = {p: w.pop(f"{pre}switch_mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
+    if family == "qwen3_next":  # one tensor per expert, as Qwen3-Next stores them
+        for proj, stacked in sw.items():
+            for e, part in enumerate(stacked):
+                w[f"{pre}experts.{e}.{proj}.weight"] = part
+    else:  # fused tensors, as Qwen3.5 MoE stores them
+        w[f"{pre}experts.gate_up_proj"] = np.concatenate([sw["gate_proj"], sw["up_proj"]], axis=-2)
+        w[f"{pre}experts.down_proj"] = sw["down_proj"]
     (tmp_path / "hf").mkdir()
     save_file(w, tmp_path / "hf" / "model.safetensors")
     (tmp_path / "hf" / "config.json").write_text((tmp_path / "a" / "config.json").read_text())
     a, b = params_np(rt), params_np(mtplx_ext.load(tmp_path / "hf"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_nested_text_config_loads_like_flat_config(tmp_path, seed):
+    rt = randomized("qwen3_5", "qwen3_next", seed)
+    rt.save(tmp_path)
+    flat = json.loads((tmp_path / "config.json").read_text())
+    keep = ("model_type", "mtp_head_layout", "mtp_hidden_source")
+    nested = {k: flat[k] for k in keep}
+    nested["text_config"] = {k: v for k, v in flat.items() if k not in keep}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    back = mtplx_ext.load(tmp_path)
+    assert back.vocab_size == rt.vocab_size and back.head_layout == "qwen3_next"
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 5)), dtype=mx.int32)
+    (l1, h1), (l2, h2) = rt.forward(tokens), back.forward(tokens)
+    assert mx.array_equal(l1, l2).item()
+    assert mx.array_equal(rt.head_forward(h1, tokens), back.head_forward(h2, tokens)).item()
 
 
 def test_deepseek_head_block_in_hf_form_is_converted_like_the_trunk(tmp_path, seed):
@@ -239,7 +262,7 @@ def test_deepseek_head_block_in_hf_form_is_converted_like_the_trunk(tmp_path, se
 
 
 def test_layout_is_detected_from_weight_names_without_config_field(tmp_path, seed):
-    for family, layout in CASES[:4]:
+    for family, layout in CASES[:6]:
         rt = randomized(family, layout, seed)
         d = tmp_path / layout
         rt.save(d)

@@ -16,6 +16,7 @@ import mtplx_ext
 CASES = [
     ("qwen3", "qwen3_next"),
     ("qwen3_next", "qwen3_next"),
+    ("qwen3_5", "qwen3_next"),
     ("deepseek_v3", "deepseek"),
     ("glm4_moe", "deepseek"),
     ("mimo", "mimo"),
@@ -130,7 +131,8 @@ def test_head_output_projection_is_shared_lm_head_or_own_head(runtimes, seed, ca
     rt = runtimes[case]
     rng = np.random.default_rng(seed + 3)
     x = mx.array(rng.normal(size=(1, 2, rt.config["hidden_size"])), dtype=mx.float32)
-    W = rt.head.shared_head.head.weight if case[1] == "deepseek" else rt.trunk.lm_head.weight
+    lm = rt.trunk.language_model if "language_model" in rt.trunk else rt.trunk
+    W = rt.head.shared_head.head.weight if case[1] == "deepseek" else lm.lm_head.weight
     np.testing.assert_allclose(
         _np64(rt.head.logits(x, rt.trunk)), _np64(x) @ _np64(W).T, rtol=1e-4, atol=1e-4
     )

@@ -80,6 +80,22 @@ SMALL_CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.0,
     },
+    "qwen3_5": {
+        **_SMALL_COMMON,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "full_attention_interval": 2,
+        "linear_num_value_heads": 4,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 0,
+        "num_experts_per_tok": 1,
+        "shared_expert_intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "rope_parameters": {"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
     "glm4_moe": {
         **_SMALL_COMMON,
         "num_hidden_layers": 2,
@@ -223,11 +239,11 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
 
 def _spread_init(runtime: MTPRuntime, std: float) -> None:
     """Re-draws embedding and output projection so logits have useful spread."""
-    trunk = runtime.trunk
-    emb = trunk.model.embed_tokens
+    emb = runtime.trunk.model.embed_tokens
     emb.weight = mx.random.normal(emb.weight.shape, scale=std)
-    if "lm_head" in trunk:
-        trunk.lm_head.weight = mx.random.normal(trunk.lm_head.weight.shape, scale=std)
+    lm = trunk_lib.text_model(runtime.trunk)
+    if "lm_head" in lm:
+        lm.lm_head.weight = mx.random.normal(lm.lm_head.weight.shape, scale=std)
     head = runtime.head
     if head is not None and "shared_head" in head:
         head.shared_head.head.weight = mx.random.normal(head.shared_head.head.weight.shape, scale=std)
@@ -243,7 +259,8 @@ def init_random(
     """Makes a small random model of a family, float32, fast on a CPU.
 
     Args:
-        model_type: "qwen3", "qwen3_next", "deepseek_v3", "glm4_moe" or "mimo".
+        model_type: one of `SMALL_CONFIGS` ("qwen3", "qwen3_next", "qwen3_5",
+            "deepseek_v3", "glm4_moe", "mimo").
         seed: seeds MLX's global random generator before initialisation.
         head_layout: "qwen3_next", "deepseek", "mimo", or None for no MTP
             head; defaults to the family's own layout.
@@ -269,6 +286,7 @@ def init_random(
     runtime = build_runtime(config)
     # Unit-variance rows give logits with a spread of several nats on
     # RMS-normed hidden states, so random greedy decoding does not collapse.
-    _spread_init(runtime, std=1.0 / math.sqrt(max(1, int(config["hidden_size"]) // 16)))
+    hidden = int(trunk_lib.text_config(config)["hidden_size"])
+    _spread_init(runtime, std=1.0 / math.sqrt(max(1, hidden // 16)))
     mx.eval(runtime.parameters())
     return runtime

@@ -62,7 +62,7 @@ class MTPRuntime(nn.Module):
         self.tokenizer = tokenizer
         self.model_type = str(config["model_type"])
         self.head_layout = head.layout if head is not None else None
-        self.vocab_size = int(config["vocab_size"])
+        self.vocab_size = int(trunk_lib.text_config(config)["vocab_size"])
 
     @property
     def config(self) -> dict:

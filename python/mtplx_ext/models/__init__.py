@@ -22,6 +22,7 @@ FAMILY_DEFAULT_LAYOUT = {
     "qwen3": "qwen3_next",
     "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_next",
+    "qwen3_5_moe": "qwen3_next",
     "deepseek_v3": "deepseek",
     "glm4_moe": "deepseek",
     "mimo": "mimo",

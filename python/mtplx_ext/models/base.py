@@ -33,6 +33,7 @@ class HeadArgs:
 
     @classmethod
     def from_config(cls, config: dict, default_source: str) -> "HeadArgs":
+        config = trunk_lib.text_config(config)
         source = config.get("mtp_hidden_source") or default_source
         if source not in HIDDEN_SOURCES:
             raise ValueError(
@@ -149,7 +150,21 @@ def take_prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def stack_experts(weights: dict[str, mx.array], mlp_prefix: str, num_experts: int) -> None:
-    """Stacks per-expert HF weights into mlx-lm's `switch_mlp` layout, in place."""
+    """Brings HF expert weights into mlx-lm's `switch_mlp` layout, in place.
+
+    Accepts one tensor per expert (Qwen3-Next) or the fused
+    `experts.gate_up_proj` / `experts.down_proj` tensors (Qwen3.5 MoE).
+    """
+    fused = f"{mlp_prefix}.experts.gate_up_proj"
+    if fused in weights:
+        gate_up = weights.pop(fused)
+        mid = gate_up.shape[-2] // 2
+        weights[f"{mlp_prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{mlp_prefix}.switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{mlp_prefix}.switch_mlp.down_proj.weight"] = weights.pop(
+            f"{mlp_prefix}.experts.down_proj"
+        )
+        return
     if f"{mlp_prefix}.experts.0.up_proj.weight" not in weights:
         return
     for n in ("up_proj", "down_proj", "gate_proj"):

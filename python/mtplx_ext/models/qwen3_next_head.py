@@ -37,7 +37,8 @@ class ModelArgs(HeadArgs):
     @classmethod
     def from_config(cls, config: dict, default_source: str = DEFAULT_HIDDEN_SOURCE) -> "ModelArgs":
         base = HeadArgs.from_config(config, default_source)
-        return cls(**vars(base), num_experts=int(config.get("num_experts", 0) or 0))
+        text = trunk_lib.text_config(config)
+        return cls(**vars(base), num_experts=int(text.get("num_experts", 0) or 0))
 
 
 def detect(weights: dict, config: dict) -> bool:

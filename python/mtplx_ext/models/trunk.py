@@ -116,11 +116,27 @@ def final_norm(trunk: nn.Module, hidden: mx.array) -> mx.array:
     return trunk.model.norm(hidden)
 
 
+def text_model(trunk: nn.Module) -> nn.Module:
+    """The text model holding `args`, `model` and `lm_head`.
+
+    Multimodal families (Qwen3.5) wrap it as `language_model`; for the
+    others it is the trunk itself.
+    """
+    return trunk["language_model"] if "language_model" in trunk else trunk
+
+
+def text_config(config: dict) -> dict:
+    """A config's text fields, flattened out of `text_config` when nested."""
+    nested = config.get("text_config")
+    return {**config, **nested} if isinstance(nested, dict) else config
+
+
 def project(trunk: nn.Module, normed: mx.array) -> mx.array:
     """The trunk's output projection (lm_head, or the tied embedding)."""
-    if getattr(trunk.args, "tie_word_embeddings", False) or "lm_head" not in trunk:
+    lm = text_model(trunk)
+    if getattr(lm.args, "tie_word_embeddings", False) or "lm_head" not in lm:
         return trunk.model.embed_tokens.as_linear(normed)
-    return trunk.lm_head(normed)
+    return lm.lm_head(normed)
 
 
 def make_trunk_cache(trunk: nn.Module, left_padding: list[int]) -> list[Any]:
@@ -146,14 +162,15 @@ def make_attention_layer(trunk: nn.Module) -> nn.Module:
     first attention layer's index, for DeepSeek the MTP layer's index (so it
     is a MoE layer when the trunk's later layers are).
     """
-    args = trunk.args
+    args = text_model(trunk).args
     family = family_of(trunk)
     layers = trunk.model.layers
-    idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
-    if family == "qwen3_next":
+    if hasattr(args, "full_attention_interval"):
+        # Hybrid families: a layer is linear unless (idx + 1) % interval == 0.
         return type(layers[0])(args, args.full_attention_interval - 1)
     if family in ("deepseek_v3", "glm4_moe"):
         return type(layers[0])(args, args.num_hidden_layers)
+    idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
     if idx is None:
         raise ValueError(f"trunk family {family!r} has no full-attention layer to copy")
     try:
