@@ -295,16 +295,54 @@ def translate(path: Path, include_dirs: list[Path], prefix: str = "") -> tuple[s
     return cpp, kernels
 
 
+def syntax_check(
+    path: Path, include_dirs: list[Path], clang: str = "clang++"
+) -> subprocess.CompletedProcess:
+    """Translates a .metal file and compiles it with -fsyntax-only.
+
+    Returns the compiler's result (returncode, stderr); a source the
+    translator rejects gives returncode 1 with the reason in stderr.
+    """
+    try:
+        cpp, _ = translate(path, include_dirs)
+    except MetalSourceError as e:
+        return subprocess.CompletedProcess([], 1, "", str(e))
+    cmd = [
+        clang,
+        "-x",
+        "c++",
+        "-std=c++17",
+        "-fsyntax-only",
+        f"-I{SHIM_DIR}",
+        "-Wno-unknown-attributes",
+        "-",
+    ]
+    return subprocess.run(cmd, input=cpp, capture_output=True, text=True)
+
+
 def main() -> None:
     import argparse
+    import sys
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("metal")
+    ap.add_argument("metal", nargs="+")
     ap.add_argument("-I", dest="include", action="append", default=[])
     ap.add_argument("--prefix", default="")
     ap.add_argument("-o", dest="out")
+    ap.add_argument(
+        "--check", action="store_true", help="compile each file with -fsyntax-only"
+    )
     args = ap.parse_args()
-    cpp, _ = translate(Path(args.metal), [Path(d) for d in args.include], args.prefix)
+    includes = [Path(d) for d in args.include]
+    if args.check:
+        failed = 0
+        for m in args.metal:
+            res = syntax_check(Path(m), includes)
+            print(f"{m}: {'ok' if res.returncode == 0 else 'FAILED'}")
+            sys.stderr.write(res.stderr)
+            failed += res.returncode != 0
+        sys.exit(1 if failed else 0)
+    cpp, _ = translate(Path(args.metal[0]), includes, args.prefix)
     if args.out:
         Path(args.out).write_text(cpp)
     else:
