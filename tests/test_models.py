@@ -57,6 +57,10 @@ def test_forward_logits_equal_mlx_lm_trunk_call(runtimes, seed, case):
     assert logits.shape == (*tokens.shape, rt.vocab_size)
     assert hidden.shape == (*tokens.shape, rt.config["hidden_size"])
     assert mx.array_equal(logits, rt.trunk(tokens)).item()
+    last, hidden_all = rt.forward(tokens, last_logits_only=True)
+    # Different matmul shapes may round differently: compare with a tolerance.
+    np.testing.assert_allclose(_np64(last), _np64(logits[:, -1:]), rtol=1e-5, atol=1e-5)
+    assert mx.array_equal(hidden_all, hidden).item()
     # Same with batch caches over a prefill and one decode step.
     pads = [0] * 3
     c_rt, c_ref = rt.make_cache(pads), rt.make_cache(pads)

@@ -119,12 +119,21 @@ class MTPRuntime(nn.Module):
 
     # -- forwards ----------------------------------------------------------
 
-    def forward(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list | None = None,
+        *,
+        last_logits_only: bool = False,
+    ) -> tuple[mx.array, mx.array]:
         """Trunk forward returning logits and the hidden states the head consumes.
 
         Args:
             tokens: [B, T] int token ids.
             cache: caches from `make_cache`, or None (differentiable).
+            last_logits_only: project only the last position (logits
+                [B, 1, V]), e.g. for a prefill whose other logits are unused;
+                head_hidden still covers all T positions.
 
         Returns:
             (logits [B, T, V], head_hidden [B, T, H]); head_hidden is taken
@@ -136,7 +145,7 @@ class MTPRuntime(nn.Module):
         embeds = trunk_lib.safe_embed(self.trunk, tokens, self.vocab_size)
         pre = trunk_lib.trunk_hidden(self.trunk, tokens, cache, embeds)
         post = trunk_lib.final_norm(self.trunk, pre)
-        logits = trunk_lib.project(self.trunk, post)
+        logits = trunk_lib.project(self.trunk, post[:, -1:] if last_logits_only else post)
         return logits, (pre if self.hidden_source == "pre_norm" else post)
 
     def __call__(self, tokens: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:

@@ -177,7 +177,7 @@ class FlatBlockHead(MTPHead):
 
     DeepSeek and MiMo checkpoints store the layer's `self_attn.*`, `mlp.*`
     and norms next to the head's own modules. The module keeps the layer as
-    `block`; names outside `own_modules` map to it. The layer's weights pass
+    `block`; names outside `own_modules` map to it. All head weights pass
     through the trunk family's own `sanitize` (expert stacking, MLA weight
     splitting, fp8 dequantisation) as if they were trunk layer 0.
     """
@@ -188,8 +188,9 @@ class FlatBlockHead(MTPHead):
     def __init__(self, args: HeadArgs, trunk: nn.Module, prefix: str):
         super().__init__(args, trunk)
         self.prefix = prefix
-        self._trunk_cls = type(trunk)
-        self._trunk_args = trunk.args
+        text = trunk_lib.text_model(trunk)
+        self._trunk_cls = type(text)
+        self._trunk_args = text.args
 
     def layer_list(self) -> list[nn.Module]:
         return [self.block]
@@ -200,17 +201,20 @@ class FlatBlockHead(MTPHead):
         return self.prefix + name
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        rel = {k[len(self.prefix):]: v for k, v in weights.items() if k.startswith(self.prefix)}
-        own, block = {}, {}
-        for k, v in rel.items():
-            top = k.split(".", 1)[0]
-            if top in self.ignored_modules:
-                continue
-            (own if top in self.own_modules else block)[f"model.layers.0.{k}"] = v
-        if block and hasattr(self._trunk_cls, "sanitize"):
+        lead = "model.layers.0."
+        staged = {
+            lead + k[len(self.prefix):]: v
+            for k, v in weights.items()
+            if k.startswith(self.prefix)
+            and k[len(self.prefix):].split(".", 1)[0] not in self.ignored_modules
+        }
+        if staged and hasattr(self._trunk_cls, "sanitize"):
             shim = SimpleNamespace(args=self._trunk_args)
-            block = self._trunk_cls.sanitize(shim, block)
-        lead = len("model.layers.0.")
-        out = {k[lead:]: v for k, v in own.items()}
-        out.update({"block." + k[lead:]: v for k, v in block.items() if k.startswith("model.layers.0.")})
+            staged = self._trunk_cls.sanitize(shim, staged)
+        out = {}
+        for k, v in staged.items():
+            if k.startswith(lead):
+                name = k[len(lead):]
+                own = name.split(".", 1)[0] in self.own_modules
+                out[name if own else "block." + name] = v
         return out
