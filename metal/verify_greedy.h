@@ -19,8 +19,12 @@ struct ArgmaxAcc {
   int min_key; // smallest key seen (decides validity)
 };
 
+// Identity of the argmax combine: below every key, above every index.
+MTPLX_CONST int kNoKey = -2147483647 - 1;
+MTPLX_CONST int kNoIndex = 2147483647;
+
 inline ArgmaxAcc argmax_identity() {
-  return ArgmaxAcc{INT_MIN, INT_MAX, INT_MAX};
+  return ArgmaxAcc{kNoKey, kNoIndex, kNoIndex};
 }
 
 // Butterfly across the 32 lanes; every lane ends with the simdgroup result.

@@ -1,0 +1,32 @@
+#include "metal/device.h"
+
+#include <dlfcn.h>
+
+#include <filesystem>
+#include <stdexcept>
+
+namespace mtplx::metal {
+
+const std::string& module_dir() {
+  static const std::string dir = [] {
+    Dl_info info;
+    if (!dladdr(reinterpret_cast<const void*>(&module_dir), &info) ||
+        info.dli_fname == nullptr) {
+      throw std::runtime_error(
+          "mtplx_ext: cannot locate the extension module to load "
+          "mtplx_ext.metallib");
+    }
+    return std::filesystem::path(info.dli_fname).parent_path().string();
+  }();
+  return dir;
+}
+
+MTL::ComputePipelineState* get_kernel(
+    mx::metal::Device& d,
+    const std::string& name) {
+  // A path ending in .metallib is loaded as is (MLX caches it by name).
+  auto* lib = d.get_library("mtplx_ext", module_dir() + "/mtplx_ext.metallib");
+  return d.get_kernel(name, lib);
+}
+
+} // namespace mtplx::metal
