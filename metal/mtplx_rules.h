@@ -11,7 +11,8 @@
 
 #ifdef __METAL_VERSION__
 #define MTPLX_FN inline
-#define MTPLX_CONST constant
+// static constexpr: one private copy per .air file, so the metallib links.
+#define MTPLX_CONST static constant constexpr
 #else
 #include <cstdint>
 #define MTPLX_FN inline constexpr

@@ -208,6 +208,7 @@ def _rewrite_code(line: str, where) -> str:
 
     line = _TG_ARRAY.sub(tg_array, line)
     line = _POINTER.sub(pointer, line)
+    line = re.sub(r"\bconstant\s+constexpr\b", "constexpr", line)
     line = re.sub(r"\bconstant\b", "constexpr", line)
     line = re.sub(r"\bthread\b", "", line)
     bad = re.search(r"\b(device|threadgroup)\b", line)
