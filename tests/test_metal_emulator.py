@@ -395,3 +395,16 @@ def test_row_mask_off_by_one_is_caught(emu, rng):
         return
     ref = np.where(mask[:, None], snap[0], live[0])
     assert outs[0].tobytes() != ref.tobytes()
+
+
+def test_atomics_in_threadgroup_and_device_memory(emu, rng):
+    groups, n = 3, 64
+    x = rng.integers(0, 1000, groups * n).astype(np.uint32)
+    total = np.zeros(1, np.uint32)
+    hist = np.full((groups, 16), 0xDEADBEEF, np.uint32)
+    emu.launch("probe/atomic_probe", (groups,), n, [x, total, hist])
+    assert total[0] == x.sum()
+    for g in range(groups):
+        np.testing.assert_array_equal(
+            hist[g], np.bincount(x[g * n : (g + 1) * n] % 16, minlength=16)
+        )

@@ -556,8 +556,7 @@ TgAlloc* rt_tg_param(int index, size_t elem_size) {
   return &al.a;
 }
 
-void rt_tg_touch(TgAlloc* a, int64_t byte_offset, size_t size) {
-  Launch& L = *g_launch;
+void rt_tg_bounds(TgAlloc* a, int64_t byte_offset, size_t size) {
   const int64_t total = int64_t(a->elem_size * a->count);
   if (byte_offset < 0 || byte_offset + int64_t(size) > total) {
     rt_fail(
@@ -565,6 +564,11 @@ void rt_tg_touch(TgAlloc* a, int64_t byte_offset, size_t size) {
         " at byte offset " + std::to_string(byte_offset) + " (" +
         std::to_string(total) + " bytes)");
   }
+}
+
+void rt_tg_touch(TgAlloc* a, int64_t byte_offset, size_t size) {
+  Launch& L = *g_launch;
+  rt_tg_bounds(a, byte_offset, size);
   Alloc* al = reinterpret_cast<Alloc*>(a);
   Thread& t = *L.current;
   size_t e0 = size_t(byte_offset) / a->elem_size;

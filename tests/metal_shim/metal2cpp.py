@@ -49,8 +49,8 @@ _KERNEL = re.compile(r"\[\[\s*kernel\s*\]\]\s*void\s+(\w+)\s*\(")
 _PARAM_ATTR = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*(\d+)\s*\))?\s*\]\]")
 _TYPE = r"[^*&;(){}\[\],=]+?"
 _POINTER = re.compile(
-    r"(?<![\w:])(const\s+)?\b(device|constant|threadgroup|thread)\s+"
-    r"(const\s+)?(" + _TYPE + r")\s*([*&])"
+    r"(?<![\w:])((?:const\s+|volatile\s+)*)\b(device|constant|threadgroup|thread)\s+"
+    r"((?:const\s+|volatile\s+)*)(" + _TYPE + r")\s*([*&])"
 )
 _TG_ARRAY = re.compile(
     r"\bthreadgroup\s+(" + _TYPE + r")\s+(\w+)\s*\[([^\]]+)\]\s*;"
@@ -192,7 +192,8 @@ def _rewrite_code(line: str, where) -> str:
 
     def pointer(m: re.Match) -> str:
         lead, space, inner, ty, kind = m.groups()
-        const = "const " if (lead or inner) else ""
+        # volatile (atomics' signatures) has no meaning in the emulator.
+        const = "const " if "const" in (lead + inner) else ""
         ty = ty.strip()
         if space == "thread":
             return f"{const}{ty}{kind}"

@@ -106,6 +106,7 @@ TgAlloc* rt_tg_alloc(
     size_t count);
 TgAlloc* rt_tg_param(int index, size_t elem_size);
 void rt_tg_touch(TgAlloc* a, int64_t byte_offset, size_t size);
+void rt_tg_bounds(TgAlloc* a, int64_t byte_offset, size_t size);
 void rt_attr(int attr, uint32_t out[3]);
 
 // ---------------------------------------------------------------------------
@@ -297,6 +298,19 @@ MEMU_VEC_CMP(>=)
 #undef MEMU_VEC_CMP
 
 // ---------------------------------------------------------------------------
+// Atomics: threads of a threadgroup run as fibers on one OS thread, so plain
+// read-modify-write is atomic. Atomic objects are exempt from race tracking.
+
+template <class T>
+struct atomic_t {
+  T value;
+};
+template <class T>
+struct is_atomic : std::false_type {};
+template <class T>
+struct is_atomic<atomic_t<T>> : std::true_type {};
+
+// ---------------------------------------------------------------------------
 // Address spaces.
 
 // A pointer into a device (or constant) buffer bound by the launcher. Every
@@ -482,7 +496,11 @@ class tg_ptr {
     if (a_ == nullptr) {
       rt_fail("dereference of a null threadgroup pointer");
     }
-    rt_tg_touch(a_, o, sizeof(T));
+    if constexpr (is_atomic<std::remove_cv_t<T>>::value) {
+      rt_tg_bounds(a_, o, sizeof(T));
+    } else {
+      rt_tg_touch(a_, o, sizeof(T));
+    }
     return reinterpret_cast<T*>(a_->data + o);
   }
 
@@ -671,6 +689,10 @@ using ushort = uint16_t;
 using uchar = uint8_t;
 using ulong = uint64_t;
 using half = metal_emu::half_t;
+using atomic_int = metal_emu::atomic_t<int>;
+using atomic_uint = metal_emu::atomic_t<uint32_t>;
+using atomic_bool = metal_emu::atomic_t<bool>;
+using atomic_float = metal_emu::atomic_t<float>;
 using bfloat = metal_emu::bfloat_t;
 using bfloat16_t = metal_emu::bfloat_t;
 
@@ -849,6 +871,86 @@ inline void simdgroup_barrier(mem_flags f, MEMU_SITE_PARAMS) {
   metal_emu::rt_barrier(true, unsigned(f), MEMU_SITE);
 }
 
+// --- atomics -----------------------------------------------------------------
+
+template <class T>
+using atomic = metal_emu::atomic_t<T>;
+
+enum memory_order {
+  memory_order_relaxed,
+  memory_order_acquire,
+  memory_order_release,
+  memory_order_acq_rel,
+  memory_order_seq_cst,
+};
+
+namespace detail {
+template <class T>
+metal_emu::atomic_t<T>* atomic_obj(metal_emu::atomic_t<T>* p) {
+  if (p == nullptr) {
+    metal_emu::rt_fail("atomic operation on a null pointer");
+  }
+  return p;
+}
+template <class T>
+metal_emu::atomic_t<T>* atomic_obj(const metal_emu::device_ptr<metal_emu::atomic_t<T>>& p) {
+  return &*p;
+}
+template <class T>
+metal_emu::atomic_t<T>* atomic_obj(const metal_emu::tg_ptr<metal_emu::atomic_t<T>>& p) {
+  return &*p;
+}
+template <class P>
+using atomic_value_t =
+    decltype(atomic_obj(std::declval<const P&>())->value);
+} // namespace detail
+
+template <class P, class M>
+void atomic_store_explicit(P obj, M v, memory_order) {
+  detail::atomic_obj(obj)->value = detail::atomic_value_t<P>(v);
+}
+template <class P>
+auto atomic_load_explicit(P obj, memory_order) {
+  return detail::atomic_obj(obj)->value;
+}
+template <class P, class M>
+auto atomic_exchange_explicit(P obj, M v, memory_order) {
+  auto* a = detail::atomic_obj(obj);
+  auto old = a->value;
+  a->value = detail::atomic_value_t<P>(v);
+  return old;
+}
+template <class P, class E, class M>
+bool atomic_compare_exchange_weak_explicit(
+    P obj, E* expected, M desired, memory_order, memory_order) {
+  auto* a = detail::atomic_obj(obj);
+  if (a->value == *expected) {
+    a->value = detail::atomic_value_t<P>(desired);
+    return true;
+  }
+  *expected = a->value;
+  return false;
+}
+
+#define MEMU_ATOMIC_RMW(fn, expr)                               \
+  template <class P, class M>                                   \
+  auto fn(P obj, M v, memory_order) {                           \
+    auto* a = detail::atomic_obj(obj);                          \
+    using V = detail::atomic_value_t<P>;                        \
+    V old = a->value;                                           \
+    V arg = V(v);                                               \
+    a->value = V(expr);                                         \
+    return old;                                                 \
+  }
+MEMU_ATOMIC_RMW(atomic_fetch_add_explicit, old + arg)
+MEMU_ATOMIC_RMW(atomic_fetch_sub_explicit, old - arg)
+MEMU_ATOMIC_RMW(atomic_fetch_and_explicit, old & arg)
+MEMU_ATOMIC_RMW(atomic_fetch_or_explicit, old | arg)
+MEMU_ATOMIC_RMW(atomic_fetch_xor_explicit, old ^ arg)
+MEMU_ATOMIC_RMW(atomic_fetch_min_explicit, arg < old ? arg : old)
+MEMU_ATOMIC_RMW(atomic_fetch_max_explicit, old < arg ? arg : old)
+#undef MEMU_ATOMIC_RMW
+
 // --- simd-group functions ---------------------------------------------------
 
 namespace detail {
@@ -1020,3 +1122,5 @@ inline bool simd_is_first(MEMU_SITE_PARAMS) {
 // Metal spells the flags unscoped (mem_flags::mem_threadgroup works either
 // way in C++).
 using metal::mem_flags;
+using metal::memory_order;
+using metal::memory_order_relaxed;

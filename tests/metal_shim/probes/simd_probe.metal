@@ -54,3 +54,26 @@ constant int kProbeCols = 14;
     uint lane [[thread_index_in_simdgroup]]) {
   out[gid] = simd_shuffle_down(int(gid), ushort(lane & 1));
 }
+
+// Histogram in threadgroup atomics plus a device-wide atomic total.
+[[kernel]] void atomic_probe(
+    const device uint* in [[buffer(0)]],
+    volatile device atomic_uint* total [[buffer(1)]],
+    device uint* hist_out [[buffer(2)]],
+    uint gid [[thread_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint group [[threadgroup_position_in_grid]]) {
+  threadgroup atomic_uint hist[16];
+  if (tid < 16) {
+    atomic_store_explicit(&hist[tid], 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint v = in[gid];
+  atomic_fetch_add_explicit(&hist[v % 16], 1u, memory_order_relaxed);
+  atomic_fetch_add_explicit(total, v, memory_order_relaxed);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < 16) {
+    hist_out[group * 16 + tid] =
+        atomic_load_explicit(&hist[tid], memory_order_relaxed);
+  }
+}
