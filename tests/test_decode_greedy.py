@@ -109,7 +109,7 @@ class ScriptedHead:
     per position.
     """
 
-    def __init__(self, rt, refs: list[list[int]], prompts: list[list[int]], mode: str, rng):
+    def __init__(self, rt, refs: list[list[int]], prompts: list[list[int]], mode: str, rng, pattern=None):
         self.rt = rt
         V = rt.vocab_size
         width = max(len(r) for r in refs) + 4
@@ -118,6 +118,8 @@ class ScriptedHead:
             right = np.ones(len(ref), bool) if mode == "oracle" else np.zeros(len(ref), bool)
             if mode == "mixed":
                 right = rng.random(len(ref)) < 0.5
+            if mode == "pattern":  # pattern[c]: cycle c's draft (generated index 2c + 1) is right
+                right[1::2] = np.asarray(pattern, bool)[: len(right[1::2])]
             table[i, : len(ref)] = np.where(right, ref, (np.array(ref) + 1) % V)
         self.table = mx.array(table)
         self.lengths = mx.array([len(p) for p in prompts])
@@ -218,6 +220,30 @@ def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type):
         assert [x.finish_reason for x in s.streams] == [x.finish_reason for x in p.streams]
         for f in ("cycles", "forwards", "repair_cycles", "drafted", "accepted", "host_syncs"):
             assert getattr(s, f) == getattr(p, f), f
+
+
+def test_pipelined_guess_of_the_next_path_is_undone_when_wrong():
+    # Runs of repairs then accepts make the pipelined loop guess "repair",
+    # then meet an all-accept cycle (and the reverse): both guesses get
+    # built, dropped and rebuilt.
+    rng = _rng()
+    rt = _runtime("qwen3_next", rng)
+    prompts = _prompts(rng, rt.vocab_size, 2)
+    pattern = [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0]
+    cap = 2 * len(pattern) + 1
+    refs = [reference(rt, p, cap) for p in prompts]
+    head = ScriptedHead(rt, [r[0] for r in refs], prompts, "pattern", rng, pattern=pattern)
+    serial = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=True)
+    piped = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=False)
+    exact = True
+    for r in (serial, piped):
+        check_counters(r, True)
+        for i, s in enumerate(r.streams):
+            exact &= check_stream(i, s, *refs[i], set(), cap)
+    assert [s.tokens for s in serial.streams] == [s.tokens for s in piped.streams]
+    assert (serial.forwards, serial.repair_cycles) == (piped.forwards, piped.repair_cycles)
+    if exact:
+        assert piped.repair_cycles == pattern.count(0)
 
 
 class StateRecorder:

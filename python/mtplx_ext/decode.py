@@ -380,10 +380,23 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
     return b, None
 
 
+def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool) -> _Pending:
+    """Builds the cycle after `p`: (repair and) head step, then verification."""
+    if not mtp:
+        return dec.plain_step(p.bundle)
+    return dec.verify_step(*(dec.after_repair(p) if repair else dec.after_accept(p)))
+
+
+#: Weight of the newest cycle in the pipelined loop's estimate of how often
+#: cycles repair (it builds the likelier path ahead).
+_REPAIR_EMA = 0.25
+
+
 def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial: bool) -> None:
     """The decode cycles, serial or pipelined (same graphs, same forwards)."""
     res = st.result
     p = first
+    repair_rate = 0.0
     while True:
         res.cycles += 1
         if serial:
@@ -392,45 +405,36 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             st.apply(commits)
             if not st.any_live():
                 return
-            if not mtp:
-                p = dec.plain_step(p.bundle)
-            else:
-                if repair:
-                    res.repair_cycles += 1
-                    res.forwards += 1
-                    nxt = dec.after_repair(p)
-                else:
-                    nxt = dec.after_accept(p)
-                p = dec.verify_step(*nxt)
-            res.forwards += 1
-            continue
-
-        # Pipelined: build the next cycle's graph as if every stream accepts
-        # while the device still runs this one; start it only once the
-        # bundle says so, else drop it unevaluated (no extra forward).
-        ckpt = cache_state.checkpoint_caches(*dec.caches())
-        if mtp:
-            spec = dec.verify_step(*dec.after_accept(p))
         else:
-            spec = dec.plain_step(p.bundle)
-        b = _read_bundle(p, st)
-        commits, repair = st.decide(*_split_bundle(b, mtp))
-        if not st.any_live():
-            cache_state.rollback_caches(ckpt)
+            # Pipelined: while the device runs this cycle, build the next
+            # one along the likelier path (all accept, or repair: both need
+            # only device arrays). Start it once the bundle confirms the
+            # guess; else drop it unevaluated (no extra forward) and build
+            # the other path.
+            guess = mtp and repair_rate > 0.5
+            ckpt = cache_state.checkpoint_caches(*dec.caches())
+            spec = _next_step(dec, p, mtp, guess)
+            b = _read_bundle(p, st)
+            commits, repair = st.decide(*_split_bundle(b, mtp))
+            if not st.any_live():
+                cache_state.rollback_caches(ckpt)
+                st.apply(commits)
+                return
+            if repair != guess:
+                cache_state.rollback_caches(ckpt)
+                spec = _next_step(dec, p, mtp, repair)
+            # No stale handles on the caches' arrays: MLX may update them in place.
+            del ckpt
+            mx.async_eval(spec.bundle)
+            repair_rate += _REPAIR_EMA * (float(repair) - repair_rate)
+        res.forwards += 1 + int(repair)
+        res.repair_cycles += int(repair)
+        if serial:
+            p = _next_step(dec, p, mtp, repair)
+        else:
+            # Late commit: host bookkeeping and callbacks overlap the device.
             st.apply(commits)
-            return
-        if repair:
-            cache_state.rollback_caches(ckpt)
-            del spec
-            res.repair_cycles += 1
-            res.forwards += 1
-            spec = dec.verify_step(*dec.after_repair(p))
-        del ckpt
-        mx.async_eval(spec.bundle)
-        res.forwards += 1
-        # Late commit: host bookkeeping and callbacks overlap the device.
-        st.apply(commits)
-        p = spec
+            p = spec
 
 
 def generate_batched(
