@@ -10,6 +10,9 @@ tests/metal_shim/broken/) must each be caught.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -408,3 +411,20 @@ def test_atomics_in_threadgroup_and_device_memory(emu, rng):
         np.testing.assert_array_equal(
             hist[g], np.bincount(x[g * n : (g + 1) * n] % 16, minlength=16)
         )
+
+
+def test_runaway_kernel_is_stopped_by_the_time_out_naming_it(emu):
+    code = (
+        "import sys, numpy as np; sys.path.insert(0, sys.argv[1]);"
+        "from metal_shim.emulator import Emulator;"
+        "Emulator(sys.argv[2]).launch('probe/spin_probe', (1,), 32,"
+        " [np.zeros(1, np.int32)], timeout=1.0)"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).parent), str(emu.path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode != 0
+    assert "probe/spin_probe did not finish within 1 s" in res.stderr

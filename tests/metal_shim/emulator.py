@@ -118,11 +118,13 @@ def build(cache_root: Path, jobs: int = 2) -> Path:
     )
     if res.returncode != 0:
         raise RuntimeError("emulator link failed:\n" + res.stderr)
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         work.rename(out)
     except OSError:  # another process finished the same build first
         shutil.rmtree(work, ignore_errors=True)
+    for old in cache_root.iterdir():  # builds of older inputs
+        if old != out and not old.name.startswith("tmp-"):
+            shutil.rmtree(old, ignore_errors=True)
     return lib
 
 
@@ -132,7 +134,8 @@ _ERR_LEN = 4096
 class Emulator:
     """ctypes front end of the emulator library."""
 
-    def __init__(self, lib_path: Path):
+    def __init__(self, lib_path: Path | str):
+        self.path = Path(lib_path)
         self.lib = ctypes.CDLL(str(lib_path))
         c = ctypes
         self.lib.memu_launch.argtypes = [

@@ -77,3 +77,13 @@ constant int kProbeCols = 14;
         atomic_load_explicit(&hist[tid], memory_order_relaxed);
   }
 }
+
+// Never finishes while flag[0] == 0: the launch time-out must fire.
+[[kernel]] void spin_probe(
+    const device int* flag [[buffer(0)]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  int x = int(lane);
+  while (flag[0] == 0) {
+    x = simd_sum(x) & 1;
+  }
+}
