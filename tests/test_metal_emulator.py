@@ -181,7 +181,8 @@ def test_verify_greedy_ties_resolve_to_lowest_index_across_simdgroups(emu, rng):
 
 
 def make_leaves(rng, B: int, n: int) -> list[np.ndarray]:
-    """Leaves [B, ...] of mixed dtypes and odd sizes, NaN payloads included."""
+    """n random leaves [B, ...] of mixed dtypes and odd sizes (NaN payloads,
+    an odd address) plus four fixed ones, one per copy unit width."""
     leaves = []
     for i in range(n):
         shape = (B, *rng.integers(1, 7, size=int(rng.integers(0, 3))))
@@ -202,6 +203,13 @@ def make_leaves(rng, B: int, n: int) -> list[np.ndarray]:
             raw = rng.integers(0, 256, int(np.prod(shape)) * 4 + 1, dtype=np.uint8)
             a = raw[1:].view(np.uint8).reshape(*shape[:1], -1)
         leaves.append(a)
+    # Rows of 48, 24, 6 and 20 bytes: the uint4, uint2, ushort and uint paths.
+    leaves += [
+        rng.standard_normal((B, 12)).astype(np.float32),
+        rng.integers(-(2**62), 2**62, (B, 3), dtype=np.int64),
+        rng.integers(0, 2**16, (B, 3), dtype=np.uint16),
+        rng.integers(-(2**31), 2**31, (B, 5), dtype=np.int32),
+    ]
     return leaves
 
 
@@ -230,7 +238,7 @@ def to_mx(a: np.ndarray) -> mx.array:
 @pytest.mark.parametrize("threads", THREADS)
 def test_snapshot_kernel_copies_every_leaf_bit_exactly(emu, rng, threads):
     B = int(rng.integers(1, 6))
-    leaves = make_leaves(rng, B, int(rng.integers(9, 14)))  # > 8: two launches
+    leaves = make_leaves(rng, B, int(rng.integers(5, 10)))  # > 8: two launches
     outs = poisoned_like(rng, leaves)
     emu.state_copy(leaves, outs, threads=threads)
     cpu = mtplx_ext.snapshot_state([to_mx(a) for a in leaves], stream=mx.cpu)
@@ -242,7 +250,7 @@ def test_snapshot_kernel_copies_every_leaf_bit_exactly(emu, rng, threads):
 @pytest.mark.parametrize("threads", THREADS)
 def test_restore_kernel_takes_snapshot_rows_where_masked(emu, rng, threads):
     B = int(rng.integers(2, 7))
-    snap = make_leaves(rng, B, int(rng.integers(9, 14)))
+    snap = make_leaves(rng, B, int(rng.integers(5, 10)))
     live = [random_like(rng, a) for a in snap]
     mask = rng.random(B) < 0.5
     mask[rng.integers(0, B)] = True
