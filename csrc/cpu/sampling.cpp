@@ -72,7 +72,14 @@ MTPLX_INLINE double exp_nonpos(double x) {
   constexpr double kLn2Hi = 6.93147180369123816490e-01;
   constexpr double kLn2Lo = 1.90821492927058770002e-10;
   constexpr double kShift = 6755399441055744.0; // 1.5 * 2^52: round to int
-  double xc = x < -708.0 ? -708.0 : x;
+  // Clamp in the integer domain (x <= 0, so |x| > 708 means x < -708): a
+  // floating compare would keep the loop scalar under trapping math.
+  const uint64_t bx = std::bit_cast<uint64_t>(x);
+  const int64_t mag = int64_t(bx & 0x7FFFFFFFFFFFFFFFull);
+  const uint64_t under =
+      uint64_t(0) - uint64_t(mag > std::bit_cast<int64_t>(708.0));
+  const double xc = std::bit_cast<double>(
+      (bx & ~under) | (std::bit_cast<uint64_t>(-708.0) & under));
   double t = xc * kLog2e + kShift;
   double n = t - kShift;
   double r = (xc - n * kLn2Hi) - n * kLn2Lo;
@@ -92,7 +99,8 @@ MTPLX_INLINE double exp_nonpos(double x) {
   p = p * r + 1.0;
   int64_t ni = std::bit_cast<int64_t>(t) - std::bit_cast<int64_t>(kShift);
   double scale = std::bit_cast<double>(uint64_t(ni + 1023) << 52);
-  return x < -708.0 ? 0.0 : p * scale;
+  // Below exp(-708) flush to 0.
+  return std::bit_cast<double>(std::bit_cast<uint64_t>(p * scale) & ~under);
 }
 
 // Order key: ascending key = descending z; -0 and +0 share a key.
@@ -124,23 +132,73 @@ MTPLX_CLONES void exp_dense(const double* z, double zmax, double* w, int n) {
   }
 }
 
-MTPLX_CLONES void exp_gather(
-    const double* z,
-    const int* idx,
-    double zmax,
-    double* w,
-    int n) {
-  for (int j = 0; j < n; ++j) {
-    w[j] = exp_nonpos(z[idx[j]] - zmax);
-  }
-}
-
 // ---- Step 1 and 2: z = penalised(l) / T, with the max and min of z.
 
 struct ZRange {
   double max;
   double min;
 };
+
+// Signed order of doubles as int64 (NaN excluded); max / min reductions run
+// on these keys, which vectorise where floating compares would not.
+MTPLX_INLINE int64_t ordered_i64(double v) {
+  int64_t s = std::bit_cast<int64_t>(v);
+  return s ^ ((s >> 63) & 0x7FFFFFFFFFFFFFFFll);
+}
+
+MTPLX_INLINE double from_ordered_i64(int64_t k) {
+  return std::bit_cast<double>(k ^ ((k >> 63) & 0x7FFFFFFFFFFFFFFFll));
+}
+
+template <class Load, bool kPenalties>
+MTPLX_INLINE ZRange transform_lanes(
+    const typename Load::bits_t* x,
+    int V,
+    const int32_t* counts,
+    int64_t e0,
+    int64_t e1,
+    const RowSampler& s,
+    double t,
+    double* z) {
+  // Independent lanes: the max / min reductions vectorise without reordering.
+  constexpr int L = 8;
+  int64_t hi[L], lo[L];
+  for (int j = 0; j < L; ++j) {
+    hi[j] = std::numeric_limits<int64_t>::min();
+    lo[j] = std::numeric_limits<int64_t>::max();
+  }
+  auto one = [&](int i) {
+    double l = Load::get(x[i]);
+    if constexpr (kPenalties) {
+      int c = (counts ? counts[i] : 0) + int(i == e0) + int(i == e1);
+      l = penalised_logit<double>(l, c, s.presence, s.frequency, s.repetition);
+    }
+    return l / t;
+  };
+  int i = 0;
+  for (; i + L <= V; i += L) {
+    for (int j = 0; j < L; ++j) {
+      double v = one(i + j);
+      z[i + j] = v;
+      int64_t k = ordered_i64(v);
+      hi[j] = k > hi[j] ? k : hi[j];
+      lo[j] = k < lo[j] ? k : lo[j];
+    }
+  }
+  for (int j = 0; i + j < V; ++j) {
+    double v = one(i + j);
+    z[i + j] = v;
+    int64_t k = ordered_i64(v);
+    hi[j] = k > hi[j] ? k : hi[j];
+    lo[j] = k < lo[j] ? k : lo[j];
+  }
+  int64_t h = hi[0], m = lo[0];
+  for (int j = 1; j < L; ++j) {
+    h = hi[j] > h ? hi[j] : h;
+    m = lo[j] < m ? lo[j] : m;
+  }
+  return {from_ordered_i64(h), from_ordered_i64(m)};
+}
 
 template <class Load>
 MTPLX_INLINE ZRange transform_impl(
@@ -152,26 +210,9 @@ MTPLX_INLINE ZRange transform_impl(
     const RowSampler& s,
     double t,
     double* z) {
-  double hi = -kInf, lo = kInf;
-  if (!s.penalties) {
-    for (int i = 0; i < V; ++i) {
-      double v = Load::get(x[i]) / t;
-      z[i] = v;
-      hi = v > hi ? v : hi;
-      lo = v < lo ? v : lo;
-    }
-    return {hi, lo};
-  }
-  for (int i = 0; i < V; ++i) {
-    int c = (counts ? counts[i] : 0) + int(i == e0) + int(i == e1);
-    double v = penalised_logit<double>(
-                   Load::get(x[i]), c, s.presence, s.frequency, s.repetition) /
-        t;
-    z[i] = v;
-    hi = v > hi ? v : hi;
-    lo = v < lo ? v : lo;
-  }
-  return {hi, lo};
+  return s.penalties
+      ? transform_lanes<Load, true>(x, V, counts, e0, e1, s, t, z)
+      : transform_lanes<Load, false>(x, V, counts, e0, e1, s, t, z);
 }
 
 MTPLX_CLONES ZRange transform_f32(
@@ -221,10 +262,10 @@ struct Selected {
 
 enum class SelectMode { kRank, kMass };
 
-// Candidates are positions j in [0, n) with token idx[j] (j when idx is null,
-// always ascending in j) and, for kMass, mass[j]. kRank finds the element of
-// rank `rank`; kMass the first element whose inclusive cumulative mass
-// reaches `target`.
+// Candidates are positions j in [0, n) with transformed logit z[j], token
+// idx[j] (j when idx is null; tokens ascend with j) and, for kMass, mass[j].
+// kRank finds the element of rank `rank`; kMass the first element whose
+// inclusive cumulative mass reaches `target`.
 class RadixSelect {
  public:
   static constexpr int kBits = 11;
@@ -257,9 +298,10 @@ class RadixSelect {
       }
       const int shift = std::max(0, 64 - std::countl_zero(lo ^ hi) - kBits);
       const uint64_t base = lo >> shift;
-      std::fill(cnt_, cnt_ + kBuckets, 0);
+      const int nb = int((hi >> shift) - base) + 1;
+      std::fill(cnt_, cnt_ + nb, 0);
       if (mode == SelectMode::kMass) {
-        std::fill(msum_, msum_ + kBuckets, 0.0);
+        std::fill(msum_, msum_ + nb, 0.0);
       }
       for (int q = 0; q < cn; ++q) {
         int j = cur ? cur[q] : q;
@@ -269,7 +311,6 @@ class RadixSelect {
           msum_[d] += mass_[j];
         }
       }
-      const int nb = int((hi >> shift) - base) + 1;
       int pick = -1;
       for (int b = 0; b < nb; ++b) {
         if (mode == SelectMode::kRank) {
@@ -313,7 +354,7 @@ class RadixSelect {
     return idx_ ? idx_[j] : j;
   }
   uint64_t key(int j) const {
-    return desc_key(z_[token(j)]);
+    return desc_key(z_[j]);
   }
 
   Selected finish(
@@ -327,17 +368,25 @@ class RadixSelect {
       double mass_before,
       bool narrowed) {
     // Positions ascend, so tokens ascend; equal keys are then in order.
-    small_.clear();
+    int small[32];
+    int m = 0;
+    std::vector<int> big;
+    int* list = small;
+    if (cn > 32) {
+      big.resize(cn);
+      list = big.data();
+    }
     for (int q = 0; q < cn; ++q) {
-      small_.push_back(cur ? cur[q] : q);
+      list[m++] = cur ? cur[q] : q;
     }
     if (!equal_keys) {
-      std::sort(small_.begin(), small_.end(), [this](int a, int b) {
+      std::sort(list, list + m, [this](int a, int b) {
         uint64_t ka = key(a), kb = key(b);
         return ka < kb || (ka == kb && token(a) < token(b));
       });
     }
-    for (int j : small_) {
+    for (int q = 0; q < m; ++q) {
+      int j = list[q];
       if (mode == SelectMode::kRank) {
         if (before == rank) {
           return {true, key(j), token(j), before};
@@ -352,8 +401,8 @@ class RadixSelect {
     }
     // A bucket whose histogram mass crossed the target but whose sequential
     // sum just misses it (rounding): its last element is the crossing.
-    if (mode == SelectMode::kMass && narrowed && !small_.empty()) {
-      int j = small_.back();
+    if (mode == SelectMode::kMass && narrowed && m > 0) {
+      int j = list[m - 1];
       return {true, key(j), token(j), before - 1};
     }
     return {false, 0, -1, before};
@@ -365,12 +414,12 @@ class RadixSelect {
   int n_;
   int cnt_[kBuckets];
   double msum_[kBuckets];
-  std::vector<int> small_;
 };
 
-// Keeps the positions at or before `t` in the order; returns how many.
+// Keeps the positions at or before `t` in the order, compacting z, idx (set
+// from j when dense) and w (when given) in place; returns how many remain.
 int keep_prefix(
-    const double* z,
+    double* z,
     int* idx,
     double* w,
     bool dense,
@@ -379,8 +428,9 @@ int keep_prefix(
   int on = 0;
   for (int j = 0; j < n; ++j) {
     int tok = dense ? j : idx[j];
-    uint64_t k = desc_key(z[tok]);
+    uint64_t k = desc_key(z[j]);
     if (k < t.key || (k == t.key && tok <= t.token)) {
+      z[on] = z[j];
       idx[on] = tok;
       if (w) {
         w[on] = w[j];
@@ -389,6 +439,125 @@ int keep_prefix(
     }
   }
   return on;
+}
+
+// ---- Sparse top-k: a threshold scan over the raw logit keys.
+
+// Without penalties z = l / T orders tokens exactly as the raw logits do
+// (distinct float16/bfloat16/float32 values stay distinct and ordered after a
+// double division), so the k largest raw keys, ties at the threshold
+// included, contain the top-k of z. Penalised tokens are added separately.
+template <class K>
+MTPLX_INLINE bool raw_top_impl(
+    const typename K::bits_t* x,
+    int V,
+    int k,
+    std::vector<std::pair<int, int>>& buf) {
+  buf.clear();
+  const size_t cap = size_t(std::max(4 * k, 1024));
+  buf.reserve(cap + 64);
+  int thr = std::numeric_limits<int>::min();
+  auto shrink = [&]() {
+    // Keep the k largest keys and every tie of the k-th.
+    std::nth_element(
+        buf.begin(), buf.begin() + (k - 1), buf.end(), [](auto& a, auto& b) {
+          return a.first > b.first;
+        });
+    thr = buf[k - 1].first;
+    size_t on = 0;
+    for (size_t q = 0; q < buf.size(); ++q) {
+      if (buf[q].first >= thr) {
+        buf[on++] = buf[q];
+      }
+    }
+    buf.resize(on);
+    return on <= cap / 2; // false: too many ties for this path
+  };
+  constexpr int L = 32;
+  int i = 0;
+  for (; i < V; i += L) {
+    const int len = std::min(L, V - i);
+    int any = 0;
+    if (len == L) {
+      for (int j = 0; j < L; ++j) {
+        any |= int(K::key(x[i + j]) >= thr);
+      }
+    } else {
+      any = 1;
+    }
+    if (!any) {
+      continue;
+    }
+    for (int j = 0; j < len; ++j) {
+      int kj = K::key(x[i + j]);
+      if (kj >= thr) {
+        buf.emplace_back(kj, i + j);
+      }
+    }
+    if (buf.size() >= cap && !shrink()) {
+      return false;
+    }
+  }
+  if (int(buf.size()) > k && !shrink()) {
+    return false;
+  }
+  return true;
+}
+
+MTPLX_CLONES bool raw_top_f32(
+    const uint32_t* x,
+    int V,
+    int k,
+    std::vector<std::pair<int, int>>& buf) {
+  return raw_top_impl<F32Key>(x, V, k, buf);
+}
+
+MTPLX_CLONES bool raw_top_f16(
+    const uint16_t* x,
+    int V,
+    int k,
+    std::vector<std::pair<int, int>>& buf) {
+  return raw_top_impl<F16Key>(x, V, k, buf);
+}
+
+MTPLX_CLONES bool raw_top_bf16(
+    const uint16_t* x,
+    int V,
+    int k,
+    std::vector<std::pair<int, int>>& buf) {
+  return raw_top_impl<BF16Key>(x, V, k, buf);
+}
+
+// Tokens with a positive count, ascending.
+MTPLX_CLONES void positive_counts(
+    const int32_t* c,
+    int V,
+    std::vector<int>& out) {
+  constexpr int L = 64;
+  for (int i = 0; i < V; i += L) {
+    const int len = std::min(L, V - i);
+    int any = 0;
+    for (int j = 0; j < len; ++j) {
+      any |= int(c[i + j] > 0);
+    }
+    if (!any) {
+      continue;
+    }
+    for (int j = 0; j < len; ++j) {
+      if (c[i + j] > 0) {
+        out.push_back(i + j);
+      }
+    }
+  }
+}
+
+double logit_at(const void* x, mx::Dtype dtype, int i) {
+  if (dtype == mx::float32) {
+    return LoadF32::get(static_cast<const uint32_t*>(x)[i]);
+  } else if (dtype == mx::float16) {
+    return LoadF16::get(static_cast<const uint16_t*>(x)[i]);
+  }
+  return LoadBF16::get(static_cast<const uint16_t*>(x)[i]);
 }
 
 } // namespace
@@ -426,7 +595,12 @@ double RowDist::weight_of(int t) const {
 }
 
 RowDistBuilder::RowDistBuilder(int vocab)
-    : V_(vocab), z_(vocab), idx_(vocab), w_(vocab), sel_a_(vocab), sel_b_(vocab) {}
+    : V_(vocab),
+      z_(new double[vocab]),
+      idx_(new int[vocab]),
+      w_(new double[vocab]),
+      sel_a_(new int[vocab]),
+      sel_b_(new int[vocab]) {}
 
 bool row_valid(const void* logits, mx::Dtype dtype, int V) {
   if (dtype == mx::float32) {
@@ -435,6 +609,70 @@ bool row_valid(const void* logits, mx::Dtype dtype, int V) {
     return row_argmax_f16(static_cast<const uint16_t*>(logits), V).valid;
   }
   return row_argmax_bf16(static_cast<const uint16_t*>(logits), V).valid;
+}
+
+bool RowDistBuilder::sparse_top_k(
+    const void* logits,
+    mx::Dtype dtype,
+    const int32_t* counts,
+    int64_t extra0,
+    int64_t extra1,
+    const RowSampler& s,
+    int k,
+    bool penalised,
+    int& n) {
+  const int V = V_;
+  seen_.clear();
+  if (penalised) {
+    if (counts) {
+      positive_counts(counts, V, seen_);
+    }
+    for (int64_t e : {extra0, extra1}) {
+      if (e >= 0 && e < V) {
+        seen_.insert(std::lower_bound(seen_.begin(), seen_.end(), int(e)), int(e));
+      }
+    }
+    seen_.erase(std::unique(seen_.begin(), seen_.end()), seen_.end());
+  }
+  const int k2 = k + int(seen_.size());
+  if (k2 > kSparseLimit || k2 >= V / 4) {
+    return false;
+  }
+  bool ok;
+  if (dtype == mx::float32) {
+    ok = raw_top_f32(static_cast<const uint32_t*>(logits), V, k2, raw_);
+  } else if (dtype == mx::float16) {
+    ok = raw_top_f16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+  } else {
+    ok = raw_top_bf16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+  }
+  if (!ok) {
+    return false;
+  }
+  // Candidates: raw top-k2 and every penalised token, ascending and unique.
+  int* idx = idx_.get();
+  int m = 0;
+  for (auto& kv : raw_) {
+    idx[m++] = kv.second;
+  }
+  for (int t : seen_) {
+    idx[m++] = t;
+  }
+  std::sort(idx, idx + m);
+  m = int(std::unique(idx, idx + m) - idx);
+  double* z = z_.get();
+  const double t = s.temperature > 0 ? s.temperature : 1.0;
+  for (int j = 0; j < m; ++j) {
+    const int tok = idx[j];
+    double l = logit_at(logits, dtype, tok);
+    if (penalised) {
+      int c = (counts ? counts[tok] : 0) + int(tok == extra0) + int(tok == extra1);
+      l = penalised_logit<double>(l, c, s.presence, s.frequency, s.repetition);
+    }
+    z[j] = l / t;
+  }
+  n = m;
+  return true;
 }
 
 bool RowDistBuilder::build(
@@ -451,52 +689,61 @@ bool RowDistBuilder::build(
     return false;
   }
   const bool greedy = !(s.temperature > 0);
-  const double t = greedy ? 1.0 : s.temperature;
-  double* z = z_.data();
-  ZRange r;
-  if (dtype == mx::float32) {
-    r = transform_f32(
-        static_cast<const uint32_t*>(logits), V, counts, extra0, extra1, s, t, z);
-  } else if (dtype == mx::float16) {
-    r = transform_f16(
-        static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, s, t, z);
-  } else {
-    r = transform_bf16(
-        static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, s, t, z);
-  }
-  int* idx = idx_.data();
-  double* w = w_.data();
-  if (greedy) {
-    // Point mass on the first maximum (ties: lowest index).
-    int i = 0;
-    while (z[i] != r.max) {
-      ++i;
-    }
-    idx[0] = i;
-    w[0] = 1.0;
-    out = RowDist{1, idx, w, 1.0};
-    return true;
-  }
+  const bool penalised = s.penalties &&
+      (counts || (extra0 >= 0 && extra0 < V) || (extra1 >= 0 && extra1 < V));
+  double* z = z_.get();
+  int* idx = idx_.get();
+  double* w = w_.get();
+  const int kk = greedy ? 1 : top_k_length(s.top_k, V);
   int n = V;
   bool dense = true;
-  const int kk = top_k_length(s.top_k, V);
-  if (kk < V) {
-    RadixSelect sel(z, nullptr, nullptr, V);
-    Selected th = sel.run(SelectMode::kRank, kk - 1, 0, sel_a_.data(), sel_b_.data());
-    n = keep_prefix(z, idx, nullptr, true, V, th);
+  double zmax = 0;
+  if (kk < V && sparse_top_k(logits, dtype, counts, extra0, extra1, s, kk, penalised, n)) {
+    dense = false;
+  } else {
+    RowSampler sp = s;
+    sp.penalties = penalised;
+    const double t = greedy ? 1.0 : s.temperature;
+    ZRange r;
+    if (dtype == mx::float32) {
+      r = transform_f32(
+          static_cast<const uint32_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+    } else if (dtype == mx::float16) {
+      r = transform_f16(
+          static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+    } else {
+      r = transform_bf16(
+          static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+    }
+    zmax = r.max;
+  }
+  if (n > kk) {
+    RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
+    Selected th =
+        sel.run(SelectMode::kRank, kk - 1, 0, sel_a_.get(), sel_b_.get());
+    n = keep_prefix(z, idx, nullptr, dense, n, th);
     dense = false;
   }
-  if (dense) {
-    exp_dense(z, r.max, w, n);
-  } else {
-    exp_gather(z, idx, r.max, w, n);
+  if (greedy) {
+    // Point mass on the first maximum (ties: lowest index).
+    w[0] = 1.0;
+    out = RowDist{1, dense ? nullptr : idx, w, 1.0};
+    return true;
   }
+  if (!dense) {
+    // The maximum of z is among the kept candidates (top-1 always is).
+    zmax = z[0];
+    for (int j = 1; j < n; ++j) {
+      zmax = z[j] > zmax ? z[j] : zmax;
+    }
+  }
+  exp_dense(z, zmax, w, n);
   int m = n;
   if (s.top_p < 1) {
     const double target = s.top_p * lane_sum(w, n);
     RadixSelect sel(z, dense ? nullptr : idx, w, n);
     Selected th =
-        sel.run(SelectMode::kMass, 0, target, sel_a_.data(), sel_b_.data());
+        sel.run(SelectMode::kMass, 0, target, sel_a_.get(), sel_b_.get());
     if (th.found) {
       m = std::min(m, th.rank + 1);
     }
@@ -512,7 +759,7 @@ bool RowDistBuilder::build(
   if (m < n) {
     RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
     Selected th =
-        sel.run(SelectMode::kRank, m - 1, 0, sel_a_.data(), sel_b_.data());
+        sel.run(SelectMode::kRank, m - 1, 0, sel_a_.get(), sel_b_.get());
     n = keep_prefix(z, idx, w, dense, n, th);
     dense = false;
   }
@@ -567,7 +814,36 @@ void for_each_union(const RowDist& p, const RowDist& q, F&& f) {
 
 } // namespace
 
-int sample_residual(const RowDist& p, const RowDist& q, double u) {
+namespace {
+
+// r[t] = max(wp[t] / sp - wq[t] / sq, 0) for two dense rows; the max is taken
+// on the sign bit so that the loop vectorises.
+MTPLX_CLONES void residual_dense(
+    const double* wp,
+    double sp,
+    const double* wq,
+    double sq,
+    double* r,
+    int n) {
+  for (int i = 0; i < n; ++i) {
+    double d = wp[i] / sp - wq[i] / sq;
+    int64_t b = std::bit_cast<int64_t>(d);
+    r[i] = std::bit_cast<double>(b & ~(b >> 63));
+  }
+}
+
+} // namespace
+
+int sample_residual(
+    const RowDist& p,
+    const RowDist& q,
+    double u,
+    double* scratch) {
+  if (!p.idx && !q.idx && p.n == q.n && scratch) {
+    residual_dense(p.w, p.total, q.w, q.total, scratch, p.n);
+    RowDist r{p.n, nullptr, scratch, lane_sum(scratch, p.n)};
+    return r.total > 0 ? sample_row(r, u) : sample_row(p, u);
+  }
   double total = 0;
   for_each_union(p, q, [&](int, double wp, double wq) {
     double r = wp / p.total - wq / q.total;
@@ -743,7 +1019,7 @@ void VerifySampled::eval_cpu(
         row[kColAccept] = 0;
         row[kColSecond] = variant == SamplingVariant::kResidualFromTarget
             ? cpu::sample_row(p, ur)
-            : cpu::sample_residual(p, q, ur);
+            : cpu::sample_residual(p, q, ur, bq.scratch());
       }
     }
   });

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "mlx/dtype.h"
@@ -58,12 +60,37 @@ class RowDistBuilder {
       const RowSampler& s,
       RowDist& out);
 
+  // Rows whose top-k (or greedy pick) needs at most this many candidates
+  // take the sparse path: one vectorised threshold scan of the raw logits.
+  static constexpr int kSparseLimit = 4096;
+
+  // V doubles free for the caller between builds (the dists built here do
+  // not point into it).
+  double* scratch() {
+    return z_.get();
+  }
+
  private:
+  // The kept top-k candidates from the raw logits; false to fall back to the
+  // dense path. Fills idx_ (ascending) and z_ (their transformed logits).
+  bool sparse_top_k(
+      const void* logits,
+      mx::Dtype dtype,
+      const int32_t* counts,
+      int64_t extra0,
+      int64_t extra1,
+      const RowSampler& s,
+      int k,
+      bool penalised,
+      int& n);
+
   int V_;
-  std::vector<double> z_;
-  std::vector<int> idx_;
-  std::vector<double> w_;
-  std::vector<int> sel_a_, sel_b_;
+  std::unique_ptr<double[]> z_; // transformed logits at positions
+  std::unique_ptr<int[]> idx_; // token of each position (compacted paths)
+  std::unique_ptr<double[]> w_; // weights at positions
+  std::unique_ptr<int[]> sel_a_, sel_b_; // radix select work lists
+  std::vector<std::pair<int, int>> raw_; // (raw key, token) candidates
+  std::vector<int> seen_; // tokens the penalties touch
 };
 
 // Inverse CDF in vocabulary order: the first token whose cumulative weight
@@ -71,7 +98,12 @@ class RowDistBuilder {
 int sample_row(const RowDist& d, double u);
 
 // Draw from normalise(max(p/|p| - q/|q|, 0)), or from p when that is empty.
-int sample_residual(const RowDist& p, const RowDist& q, double u);
+// `scratch` (V doubles, or null) speeds up two dense rows.
+int sample_residual(
+    const RowDist& p,
+    const RowDist& q,
+    double u,
+    double* scratch);
 
 // Validity of a raw logits row under the shared rules (mtplx_rules.h).
 bool row_valid(const void* logits, mx::Dtype dtype, int V);
