@@ -436,3 +436,22 @@ def test_runaway_kernel_is_stopped_by_the_time_out_naming_it(emu):
     )
     assert res.returncode != 0
     assert "probe/spin_probe did not finish within 1 s" in res.stderr
+
+
+def test_half_and_bfloat_conversions_are_exact(emu, rng):
+    n = 65536
+    bits = np.arange(n, dtype=np.uint16)
+    f = rng.standard_normal(n).astype(np.float32) * np.float32(2.0) ** rng.integers(
+        -30, 20, n
+    ).astype(np.float32)
+    f[:4] = [np.inf, -np.inf, 0.0, -0.0]
+    outs = [np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.uint16), np.empty(n, np.uint16)]
+    emu.launch("probe/convert_probe", (n // 1024,), 1024, [bits, bits, f, *outs])
+    h = bits.view(np.float16)
+    np.testing.assert_array_equal(outs[0], h.astype(np.float32))
+    bf = np.array(mx.array(bits).view(mx.bfloat16).astype(mx.float32))
+    np.testing.assert_array_equal(outs[1], bf)
+    with np.errstate(over="ignore"):  # large floats round to half's inf
+        np.testing.assert_array_equal(outs[2], f.astype(np.float16).view(np.uint16))
+    to_bf = np.array(mx.array(f).astype(mx.bfloat16).view(mx.uint16))
+    np.testing.assert_array_equal(outs[3], to_bf)

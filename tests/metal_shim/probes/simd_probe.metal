@@ -87,3 +87,19 @@ constant int kProbeCols = 14;
     x = simd_sum(x) & 1;
   }
 }
+
+// The shim's half and bfloat conversions, element by element.
+[[kernel]] void convert_probe(
+    const device half* h [[buffer(0)]],
+    const device bfloat* b [[buffer(1)]],
+    const device float* f [[buffer(2)]],
+    device float* h_to_f [[buffer(3)]],
+    device float* b_to_f [[buffer(4)]],
+    device half* f_to_h [[buffer(5)]],
+    device bfloat* f_to_b [[buffer(6)]],
+    uint i [[thread_position_in_grid]]) {
+  h_to_f[i] = float(h[i]);
+  b_to_f[i] = float(b[i]);
+  f_to_h[i] = half(f[i]);
+  f_to_b[i] = bfloat(f[i]);
+}
