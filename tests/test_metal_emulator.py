@@ -38,10 +38,11 @@ COVERED = {
 
 
 @pytest.fixture(scope="session")
-def emu(request) -> Emulator:
+def emu(request, tmp_path_factory) -> Emulator:
     """The emulator library, compiled once per session (cached by inputs)."""
-    cache = request.config.cache.mkdir("metal_emulator")
-    return Emulator(emulator.build(cache))
+    cache = getattr(request.config, "cache", None)
+    root = cache.mkdir("metal_emulator") if cache else tmp_path_factory.mktemp("emu")
+    return Emulator(emulator.build(Path(root)))
 
 
 @pytest.fixture
