@@ -256,12 +256,12 @@ class StateRecorder:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
-    def forward(self, tokens, cache):
+    def forward(self, tokens, cache, **kw):
         if tokens.shape[1] == 2:
             from mtplx_ext.cache_state import recurrent_leaves
 
             self.states.append([np.array(a) for a in recurrent_leaves(cache)])
-        return self.rt.forward(tokens, cache)
+        return self.rt.forward(tokens, cache, **kw)
 
 
 def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_drafted():
@@ -303,9 +303,9 @@ class PoisonRow:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
-    def forward(self, tokens, cache):
+    def forward(self, tokens, cache, **kw):
         decoding = cache[0].size() > 0
-        logits, hidden = self.rt.forward(tokens, cache)
+        logits, hidden = self.rt.forward(tokens, cache, **kw)
         if decoding:
             self.calls += 1
             if self.calls > self.after:

@@ -73,6 +73,8 @@ class BatchedDecodeResult:
         drafted: drafts whose verdict mattered (the stream went on after x0).
         accepted: those drafts that were accepted (committed).
         host_syncs: blocking host reads during decode (one per cycle).
+        sync_wait_s: seconds the host spent blocked in those reads (the
+            rest of decode_s is host work the device did not hide).
         prefill_s: seconds from the call to the end of the prefill.
         decode_s: seconds of the decode cycles.
     """
@@ -84,6 +86,7 @@ class BatchedDecodeResult:
     drafted: int = 0
     accepted: int = 0
     host_syncs: int = 0
+    sync_wait_s: float = 0.0
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -237,7 +240,7 @@ class _Decoder:
         hiddens = []
         logits = None
         for s in range(0, T, PREFILL_STEP):
-            logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache)
+            logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache, last_logits_only=True)
             hiddens.append(hidden)
             mx.async_eval([c.state for c in self.cache])
         x0 = self.policy.pick(logits[:, -1])
@@ -370,8 +373,11 @@ class _Streams:
 
 
 def _read_bundle(p: _Pending, streams: _Streams) -> np.ndarray:
+    t = time.perf_counter()
+    b = np.array(p.bundle)
+    streams.result.sync_wait_s += time.perf_counter() - t
     streams.result.host_syncs += 1
-    return np.array(p.bundle)
+    return b
 
 
 def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | None]:
