@@ -456,3 +456,16 @@ def test_half_and_bfloat_conversions_are_exact(emu, rng):
         np.testing.assert_array_equal(outs[2], f.astype(np.float16).view(np.uint16))
     to_bf = np.array(mx.array(f).astype(mx.bfloat16).view(mx.uint16))
     np.testing.assert_array_equal(outs[3], to_bf)
+
+
+def test_host_sized_threadgroup_memory(emu, rng):
+    n = 128
+    x = rng.standard_normal(2 * n).astype(np.float32)
+    data = x.copy()
+    emu.launch("probe/tg_param_probe", (2,), n, [data], threadgroup_lengths=[4 * n])
+    np.testing.assert_array_equal(data.reshape(2, n), x.reshape(2, n)[:, ::-1])
+
+
+def test_threads_at_different_barriers_are_reported(emu):
+    with pytest.raises(EmulatorError, match="different threadgroup barriers"):
+        emu.launch("probe/split_barrier_probe", (1,), 32, [np.zeros(32, np.int32)])

@@ -103,3 +103,27 @@ constant int kProbeCols = 14;
   f_to_h[i] = half(f[i]);
   f_to_b[i] = bfloat(f[i]);
 }
+
+// Threadgroup memory sized by the host ([[threadgroup(0)]]): reversal.
+[[kernel]] void tg_param_probe(
+    device float* data [[buffer(0)]],
+    threadgroup float* scratch [[threadgroup(0)]],
+    uint gid [[thread_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint n [[threads_per_threadgroup]]) {
+  scratch[tid] = data[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[gid] = scratch[n - 1 - tid];
+}
+
+// Half the threads wait at one barrier, half at another.
+[[kernel]] void split_barrier_probe(
+    device int* out [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  if (tid < 16) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  out[tid] = 1;
+}
