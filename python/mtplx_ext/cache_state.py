@@ -190,7 +190,9 @@ def checkpoint_caches(*cache_lists: Sequence[Any]) -> CacheCheckpoint:
     so MLX can still update the cache buffers in place.
 
     Args:
-        *cache_lists: cache lists (trunk, head, ...).
+        *cache_lists: cache lists (trunk, head, ...), or lists of other
+            objects whose attributes graph building updates (a token
+            policy's state).
 
     Returns:
         A checkpoint for `rollback_caches`.

@@ -111,31 +111,38 @@ class TokenPolicy(Protocol):
 
     Every method only builds device graph; nothing is read on the host.
     Tokens a policy cannot choose (non-finite logits) come out as INVALID.
+    `step` is the cycle the call belongs to (0 for the prefill): a sampled
+    policy derives its uniforms from (seed, row, step, call) so serial and
+    pipelined runs draw the same numbers. The pipelined loop checkpoints
+    the policy's attributes (arrays aliased, as for caches) together with
+    the caches and restores them when it drops a graph it built ahead, so
+    per-stream state (e.g. penalty counts updated from bundles on the
+    device) belongs in plain attributes.
     """
 
-    def pick(self, logits: mx.array) -> mx.array:
+    def pick(self, logits: mx.array, step: int) -> mx.array:
         """[B, V] target logits -> [B] int32 token (prefill, repair, plain decoding)."""
 
-    def draft(self, head_logits: mx.array) -> tuple[mx.array, Any]:
-        """[B, V] head logits -> ([B] int32 draft, what `verify` needs of it)."""
+    def draft(self, head_logits: mx.array, step: int) -> tuple[mx.array, Any]:
+        """[B, V] head logits -> ([B] int32 draft, what `verify` needs of it, e.g. its logits)."""
 
-    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any) -> mx.array:
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: int) -> mx.array:
         """[B, 2, V] logits at (x0, draft), [B, 2] tokens -> [B, 5] int32 bundle."""
 
 
 class GreedyPolicy:
     """Temperature 0: argmax choices, draft accepted iff it equals the argmax."""
 
-    def pick(self, logits: mx.array) -> mx.array:
+    def pick(self, logits: mx.array, step: int = 0) -> mx.array:
         # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
         # argmax of the first row, accept is -1 when that row is unusable.
         b = verify_greedy(mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32))
         return mx.where(b[:, COL_ACCEPT] < 0, INVALID, b[:, COL_SECOND])
 
-    def draft(self, head_logits: mx.array) -> tuple[mx.array, Any]:
+    def draft(self, head_logits: mx.array, step: int = 0) -> tuple[mx.array, Any]:
         return self.pick(head_logits), None
 
-    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any) -> mx.array:
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: int = 0) -> mx.array:
         return verify_greedy(verify_logits, tokens)
 
 
@@ -243,7 +250,7 @@ class _Decoder:
             logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache, last_logits_only=True)
             hiddens.append(hidden)
             mx.async_eval([c.state for c in self.cache])
-        x0 = self.policy.pick(logits[:, -1])
+        x0 = self.policy.pick(logits[:, -1], 0)
         cache_state.finish_prefill(self.cache)
         if self.head_cache is None:
             return x0[:, None], None
@@ -254,27 +261,27 @@ class _Decoder:
         for i, s in enumerate(range(0, T, PREFILL_STEP)):
             head_logits = self.rt.head_forward(hiddens[i], nxt[:, s : s + PREFILL_STEP], self.head_cache)
         cache_state.finish_prefill(self.head_cache)
-        draft, info = self.policy.draft(head_logits[:, -1])
+        draft, info = self.policy.draft(head_logits[:, -1], 0)
         return mx.stack([x0, draft], axis=1), info
 
-    def verify_step(self, tokens: mx.array, info: Any) -> _Pending:
+    def verify_step(self, tokens: mx.array, info: Any, step: int) -> _Pending:
         """Snapshot, [B, 2] verification forward and the bundle."""
         snap = cache_state.snapshot_recurrent(self.cache) if self.recurrent else None
         logits, hidden = self.rt.forward(_model_tokens(tokens), self.cache)
-        return _Pending(self.policy.verify(logits, tokens, info), hidden, snap)
+        return _Pending(self.policy.verify(logits, tokens, info, step), hidden, snap)
 
-    def _head_step(self, hidden: mx.array, second: mx.array, x0_next: mx.array) -> tuple[mx.array, Any]:
+    def _head_step(self, hidden: mx.array, second: mx.array, x0_next: mx.array, step: int) -> tuple[mx.array, Any]:
         nxt = _model_tokens(mx.stack([second, x0_next], axis=1))
         head_logits = self.rt.head_forward(hidden, nxt, self.head_cache)
-        draft, info = self.policy.draft(head_logits[:, -1])
+        draft, info = self.policy.draft(head_logits[:, -1], step)
         return mx.stack([x0_next, draft], axis=1), info
 
-    def after_accept(self, p: _Pending) -> tuple[mx.array, Any]:
+    def after_accept(self, p: _Pending, step: int) -> tuple[mx.array, Any]:
         """Next cycle's (x0, draft) when no live stream rejected."""
         b = p.bundle
-        return self._head_step(p.hidden, b[:, COL_SECOND], b[:, COL_BONUS])
+        return self._head_step(p.hidden, b[:, COL_SECOND], b[:, COL_BONUS], step)
 
-    def after_repair(self, p: _Pending) -> tuple[mx.array, Any]:
+    def after_repair(self, p: _Pending, step: int) -> tuple[mx.array, Any]:
         """Rolls the batch back and re-forwards [x0, second]; next (x0, draft)."""
         if p.snapshot is not None:
             cache_state.restore_recurrent(self.cache, p.snapshot)
@@ -282,12 +289,12 @@ class _Decoder:
         b = p.bundle
         pair = mx.stack([b[:, COL_X0], b[:, COL_SECOND]], axis=1)
         logits, hidden = self.rt.forward(_model_tokens(pair), self.cache)
-        return self._head_step(hidden, b[:, COL_SECOND], self.policy.pick(logits[:, -1]))
+        return self._head_step(hidden, b[:, COL_SECOND], self.policy.pick(logits[:, -1], step), step)
 
-    def plain_step(self, tokens: mx.array) -> _Pending:
+    def plain_step(self, tokens: mx.array, step: int) -> _Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
         logits, _ = self.rt.forward(_model_tokens(tokens), self.cache)
-        return _Pending(self.policy.pick(logits[:, -1])[:, None])
+        return _Pending(self.policy.pick(logits[:, -1], step)[:, None])
 
 
 class _Streams:
@@ -386,11 +393,12 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
     return b, None
 
 
-def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool) -> _Pending:
-    """Builds the cycle after `p`: (repair and) head step, then verification."""
+def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int) -> _Pending:
+    """Builds cycle `step` after `p`: (repair and) head step, then verification."""
     if not mtp:
-        return dec.plain_step(p.bundle)
-    return dec.verify_step(*(dec.after_repair(p) if repair else dec.after_accept(p)))
+        return dec.plain_step(p.bundle, step)
+    nxt = dec.after_repair(p, step) if repair else dec.after_accept(p, step)
+    return dec.verify_step(*nxt, step)
 
 
 #: Weight of the newest cycle in the pipelined loop's estimate of how often
@@ -418,8 +426,8 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             # guess; else drop it unevaluated (no extra forward) and build
             # the other path.
             guess = mtp and repair_rate > 0.5
-            ckpt = cache_state.checkpoint_caches(*dec.caches())
-            spec = _next_step(dec, p, mtp, guess)
+            ckpt = cache_state.checkpoint_caches(*dec.caches(), [dec.policy])
+            spec = _next_step(dec, p, mtp, guess, res.cycles + 1)
             b = _read_bundle(p, st)
             commits, repair = st.decide(*_split_bundle(b, mtp))
             if not st.any_live():
@@ -428,7 +436,7 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
                 return
             if repair != guess:
                 cache_state.rollback_caches(ckpt)
-                spec = _next_step(dec, p, mtp, repair)
+                spec = _next_step(dec, p, mtp, repair, res.cycles + 1)
             # No stale handles on the caches' arrays: MLX may update them in place.
             del ckpt
             mx.async_eval(spec.bundle)
@@ -436,7 +444,7 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
         res.forwards += 1 + int(repair)
         res.repair_cycles += int(repair)
         if serial:
-            p = _next_step(dec, p, mtp, repair)
+            p = _next_step(dec, p, mtp, repair, res.cycles + 1)
         else:
             # Late commit: host bookkeeping and callbacks overlap the device.
             st.apply(commits)
@@ -516,7 +524,7 @@ def generate_batched(
     t1 = time.perf_counter()
 
     st = _Streams(len(prompts), vocab, max_new_tokens, stop_ids, on_commit)
-    first = dec.verify_step(tokens, info) if use_mtp_draft else _Pending(tokens)
+    first = dec.verify_step(tokens, info, 1) if use_mtp_draft else _Pending(tokens)
     if use_mtp_draft:
         st.result.forwards += 1
     if not serial:
