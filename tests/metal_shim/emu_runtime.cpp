@@ -194,9 +194,8 @@ unsigned char* stack_for(size_t i) {
 void check_segment(Thread& t) {
   Launch& L = *g_launch;
   for (auto& tc : t.touches) {
-    Alloc* al = nullptr;
     // TgAlloc is the first member of Alloc.
-    al = reinterpret_cast<Alloc*>(tc.alloc);
+    Alloc* al = reinterpret_cast<Alloc*>(tc.alloc);
     Shadow& sh = al->shadow[tc.elem];
     const size_t es = tc.alloc->elem_size;
     const unsigned char* now = tc.alloc->data + tc.elem * es;
