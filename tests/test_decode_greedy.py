@@ -163,6 +163,24 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
         check_counters(r, kw["use_mtp_draft"])
 
 
+@pytest.mark.parametrize(
+    "model_type, layout",
+    [("deepseek_v3", "deepseek"), ("mimo", "mimo"), ("qwen3", "mimo"), ("qwen3_5", "qwen3_next")],
+)
+def test_other_families_and_head_layouts_decode_losslessly(model_type, layout):
+    rng = _rng()
+    rt = _runtime(model_type, rng, head_layout=layout)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    cap = int(rng.integers(5, 10))
+    refs = [reference(rt, p, cap) for p in prompts]
+    head = ScriptedHead(rt, [r[0] for r in refs], prompts, "mixed", rng)
+    for runtime in (rt, head):
+        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap)
+        check_counters(r, True)
+        for i, s in enumerate(r.streams):
+            check_stream(i, s, *refs[i], set(), cap)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
 def test_oracle_head_never_repairs_and_wrong_head_repairs_every_cycle_but_the_last(model_type):
     rng = _rng()
