@@ -1,5 +1,5 @@
 // Threadgroup emulator runtime: runs the threads of one threadgroup as fibers
-// (ucontext) under a deterministic scheduler, so that barriers, threadgroup
+// under a deterministic scheduler, so that barriers, threadgroup
 // memory and 32-lane simd-group functions behave as on Apple GPUs. Threads
 // switch only at simd functions, barriers and exit. Fails loudly on:
 //   * a barrier that some threads reach and others skip (deadlock) or
@@ -25,6 +25,44 @@
 #include <unordered_map>
 
 #include "emu_registry.h"
+
+// Fiber switch. On x86-64 a few instructions (callee-saved registers and the
+// stack pointer); elsewhere ucontext, whose swapcontext costs a syscall.
+#if defined(__x86_64__) && !defined(MEMU_USE_UCONTEXT)
+#define MEMU_ASM_SWITCH 1
+extern "C" void memu_switch(void** save_sp, void* new_sp);
+extern "C" void memu_trampoline();
+asm(R"(
+  .text
+  .globl memu_switch
+  .type memu_switch, @function
+memu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size memu_switch, .-memu_switch
+
+  .globl memu_trampoline
+  .type memu_trampoline, @function
+memu_trampoline:
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .size memu_trampoline, .-memu_trampoline
+)");
+#endif
 
 namespace metal_emu {
 
@@ -58,7 +96,11 @@ struct Thread {
   bool simd_barrier = false;
   unsigned flags = 0;
   SimdSlot slot{};
+#ifdef MEMU_ASM_SWITCH
+  void* sp = nullptr;
+#else
   ucontext_t ctx{};
+#endif
   unsigned char* stack = nullptr;
   std::vector<Touch> touches;
 };
@@ -93,7 +135,11 @@ struct Launch {
   // Per threadgroup.
   std::vector<Thread> threads;
   Thread* current = nullptr;
+#ifdef MEMU_ASM_SWITCH
+  void* sched_sp = nullptr;
+#else
   ucontext_t sched{};
+#endif
   std::map<const void*, Alloc> allocs; // keyed by declaration site
   std::map<int, Alloc> param_allocs; // [[threadgroup(n)]] parameters
   size_t tg_bytes = 0;
@@ -151,7 +197,11 @@ std::string id_list(const std::vector<uint32_t>& ids) {
 void yield_to_scheduler() {
   Launch& L = *g_launch;
   Thread* t = L.current;
+#ifdef MEMU_ASM_SWITCH
+  memu_switch(&t->sp, L.sched_sp);
+#else
   swapcontext(&t->ctx, &L.sched);
+#endif
 }
 
 void fiber_main(int idx) {
@@ -169,8 +219,18 @@ void fiber_main(int idx) {
     }
   }
   t.state = State::done;
-  // uc_link returns to the scheduler.
+#ifdef MEMU_ASM_SWITCH
+  memu_switch(&t.sp, L.sched_sp); // never resumed
+  __builtin_trap();
+#endif
+  // (ucontext: uc_link returns to the scheduler.)
 }
+
+#ifdef MEMU_ASM_SWITCH
+void fiber_entry(long idx) {
+  fiber_main(int(idx));
+}
+#endif
 
 unsigned char* stack_for(size_t i) {
   while (g_stacks.size() <= i) {
@@ -206,13 +266,14 @@ void check_segment(Thread& t) {
       return other >= 0 && L.threads[other].sg == t.sg &&
           other_ep != my_sg_epoch;
     };
-    std::string elem = std::string(tc.alloc->name) + "[" +
-        std::to_string(tc.elem) + "]";
+    auto elem = [&] {
+      return std::string(tc.alloc->name) + "[" + std::to_string(tc.elem) + "]";
+    };
     if (sh.write_epoch == L.epoch && sh.writer >= 0 &&
         sh.writer != int32_t(me) &&
         !ordered_by_simd_barrier(sh.writer, sh.writer_sg_epoch)) {
       throw EmuError(
-          where() + ": threadgroup memory race on " + elem + ": thread " +
+          where() + ": threadgroup memory race on " + elem() + ": thread " +
           std::to_string(me) + (changed ? " wrote" : " read") +
           " it after thread " + std::to_string(sh.writer) +
           " wrote it, with no threadgroup_barrier between (near " +
@@ -222,7 +283,7 @@ void check_segment(Thread& t) {
         (sh.multi || (sh.toucher >= 0 && sh.toucher != int32_t(me)))) {
       int32_t other = sh.toucher != int32_t(me) ? sh.toucher : -1;
       throw EmuError(
-          where() + ": threadgroup memory race on " + elem + ": thread " +
+          where() + ": threadgroup memory race on " + elem() + ": thread " +
           std::to_string(me) + " wrote it after " +
           (other >= 0 ? "thread " + std::to_string(other)
                       : std::string("other threads")) +
@@ -231,7 +292,7 @@ void check_segment(Thread& t) {
     }
     if (!changed && !sh.init) {
       throw EmuError(
-          where() + ": read of uninitialised threadgroup memory " + elem +
+          where() + ": read of uninitialised threadgroup memory " + elem() +
           " (near " + site_str(t.site) + ")");
     }
     if (changed) {
@@ -387,11 +448,27 @@ void run_group() {
     t.state = State::runnable;
     t.touches.clear();
     t.stack = stack_for(size_t(i));
+#ifdef MEMU_ASM_SWITCH
+    // Initial frame popped by memu_switch: r15, r14, r13 (entry), r12 (its
+    // argument), rbx, rbp, then "return" into the trampoline with rsp
+    // 16-byte aligned.
+    auto* top = reinterpret_cast<void**>(t.stack + kStackSize - 16);
+    void** frame = top - 7;
+    frame[0] = nullptr;
+    frame[1] = nullptr;
+    frame[2] = reinterpret_cast<void*>(&fiber_entry);
+    frame[3] = reinterpret_cast<void*>(long(i));
+    frame[4] = nullptr;
+    frame[5] = nullptr;
+    frame[6] = reinterpret_cast<void*>(&memu_trampoline);
+    t.sp = frame;
+#else
     getcontext(&t.ctx);
     t.ctx.uc_stack.ss_sp = t.stack + 4096;
     t.ctx.uc_stack.ss_size = kStackSize - 4096;
     t.ctx.uc_link = &L.sched;
     makecontext(&t.ctx, reinterpret_cast<void (*)()>(fiber_main), 1, i);
+#endif
   }
   while (true) {
     bool any_alive = false;
@@ -402,7 +479,11 @@ void run_group() {
       }
       L.current = &t;
       L.segment++;
+#ifdef MEMU_ASM_SWITCH
+      memu_switch(&L.sched_sp, t.sp);
+#else
       swapcontext(&L.sched, &t.ctx);
+#endif
       if (!L.error.empty()) {
         return;
       }

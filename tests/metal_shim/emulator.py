@@ -26,6 +26,8 @@ METAL_DIR = REPO / "metal"
 BROKEN_DIR = SHIM_DIR / "broken"
 PROBE_DIR = SHIM_DIR / "probes"
 CXX_FLAGS = ["-std=c++17", "-O1", "-fPIC", "-g0", "-w"]
+if os.environ.get("MTPLX_EMU_UCONTEXT"):  # portable fiber switch (slower)
+    CXX_FLAGS.append("-DMEMU_USE_UCONTEXT")
 LIB_NAME = "libmetal_emu.so"
 
 
