@@ -447,8 +447,11 @@ int keep_prefix(
 // (distinct float16/bfloat16/float32 values stay distinct and ordered after a
 // double division), so the k largest raw keys, ties at the threshold
 // included, contain the top-k of z. Penalised tokens are added separately.
+// Result of a raw top-k scan.
+enum class RawTop { kOk, kFallback, kInvalid };
+
 template <class K>
-MTPLX_INLINE bool raw_top_impl(
+MTPLX_INLINE RawTop raw_top_impl(
     const typename K::bits_t* x,
     int V,
     int k,
@@ -457,6 +460,7 @@ MTPLX_INLINE bool raw_top_impl(
   const size_t cap = size_t(std::max(4 * k, 1024));
   buf.reserve(cap + 64);
   int thr = std::numeric_limits<int>::min();
+  bool ties_ok = true;
   auto shrink = [&]() {
     // Keep the k largest keys and every tie of the k-th.
     std::nth_element(
@@ -473,38 +477,59 @@ MTPLX_INLINE bool raw_top_impl(
     buf.resize(on);
     return on <= cap / 2; // false: too many ties for this path
   };
+  // The same scan gathers the row's largest and smallest keys: the validity
+  // rule of mtplx_rules.h needs nothing else.
   constexpr int L = 32;
+  int hi[L], lo[L];
+  for (int j = 0; j < L; ++j) {
+    hi[j] = std::numeric_limits<int>::min();
+    lo[j] = std::numeric_limits<int>::max();
+  }
   int i = 0;
-  for (; i < V; i += L) {
-    const int len = std::min(L, V - i);
+  for (; i + L <= V; i += L) {
     int any = 0;
-    if (len == L) {
-      for (int j = 0; j < L; ++j) {
-        any |= int(K::key(x[i + j]) >= thr);
-      }
-    } else {
-      any = 1;
+    for (int j = 0; j < L; ++j) {
+      int kj = K::key(x[i + j]);
+      hi[j] = kj > hi[j] ? kj : hi[j];
+      lo[j] = kj < lo[j] ? kj : lo[j];
+      any |= int(kj >= thr);
     }
-    if (!any) {
+    if (!any || !ties_ok) {
       continue;
     }
-    for (int j = 0; j < len; ++j) {
+    for (int j = 0; j < L; ++j) {
       int kj = K::key(x[i + j]);
       if (kj >= thr) {
         buf.emplace_back(kj, i + j);
       }
     }
-    if (buf.size() >= cap && !shrink()) {
-      return false;
+    if (buf.size() >= cap) {
+      ties_ok = shrink();
     }
   }
-  if (int(buf.size()) > k && !shrink()) {
-    return false;
+  for (int j = 0; i + j < V; ++j) {
+    int kj = K::key(x[i + j]);
+    hi[j] = kj > hi[j] ? kj : hi[j];
+    lo[j] = kj < lo[j] ? kj : lo[j];
+    if (kj >= thr && ties_ok) {
+      buf.emplace_back(kj, i + j);
+    }
   }
-  return true;
+  int h = hi[0], m = lo[0];
+  for (int j = 1; j < L; ++j) {
+    h = hi[j] > h ? hi[j] : h;
+    m = lo[j] < m ? lo[j] : m;
+  }
+  if (!row_is_valid(h, m, K::pos_inf(), K::neg_inf())) {
+    return RawTop::kInvalid;
+  }
+  if (ties_ok && int(buf.size()) > k) {
+    ties_ok = shrink();
+  }
+  return ties_ok ? RawTop::kOk : RawTop::kFallback;
 }
 
-MTPLX_CLONES bool raw_top_f32(
+MTPLX_CLONES RawTop raw_top_f32(
     const uint32_t* x,
     int V,
     int k,
@@ -512,7 +537,7 @@ MTPLX_CLONES bool raw_top_f32(
   return raw_top_impl<F32Key>(x, V, k, buf);
 }
 
-MTPLX_CLONES bool raw_top_f16(
+MTPLX_CLONES RawTop raw_top_f16(
     const uint16_t* x,
     int V,
     int k,
@@ -520,7 +545,7 @@ MTPLX_CLONES bool raw_top_f16(
   return raw_top_impl<F16Key>(x, V, k, buf);
 }
 
-MTPLX_CLONES bool raw_top_bf16(
+MTPLX_CLONES RawTop raw_top_bf16(
     const uint16_t* x,
     int V,
     int k,
@@ -611,7 +636,7 @@ bool row_valid(const void* logits, mx::Dtype dtype, int V) {
   return row_argmax_bf16(static_cast<const uint16_t*>(logits), V).valid;
 }
 
-bool RowDistBuilder::sparse_top_k(
+int RowDistBuilder::sparse_top_k(
     const void* logits,
     mx::Dtype dtype,
     const int32_t* counts,
@@ -636,18 +661,18 @@ bool RowDistBuilder::sparse_top_k(
   }
   const int k2 = k + int(seen_.size());
   if (k2 > kSparseLimit || k2 >= V / 4) {
-    return false;
+    return 0;
   }
-  bool ok;
+  RawTop st;
   if (dtype == mx::float32) {
-    ok = raw_top_f32(static_cast<const uint32_t*>(logits), V, k2, raw_);
+    st = raw_top_f32(static_cast<const uint32_t*>(logits), V, k2, raw_);
   } else if (dtype == mx::float16) {
-    ok = raw_top_f16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+    st = raw_top_f16(static_cast<const uint16_t*>(logits), V, k2, raw_);
   } else {
-    ok = raw_top_bf16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+    st = raw_top_bf16(static_cast<const uint16_t*>(logits), V, k2, raw_);
   }
-  if (!ok) {
-    return false;
+  if (st != RawTop::kOk) {
+    return st == RawTop::kInvalid ? -1 : 0;
   }
   // Candidates: raw top-k2 and every penalised token, ascending and unique.
   int* idx = idx_.get();
@@ -672,7 +697,7 @@ bool RowDistBuilder::sparse_top_k(
     z[j] = l / t;
   }
   n = m;
-  return true;
+  return 1;
 }
 
 bool RowDistBuilder::build(
@@ -685,9 +710,6 @@ bool RowDistBuilder::build(
     RowDist& out) {
   out = RowDist{};
   const int V = V_;
-  if (!row_valid(logits, dtype, V)) {
-    return false;
-  }
   const bool greedy = !(s.temperature > 0);
   const bool penalised = s.penalties &&
       (counts || (extra0 >= 0 && extra0 < V) || (extra1 >= 0 && extra1 < V));
@@ -698,7 +720,14 @@ bool RowDistBuilder::build(
   int n = V;
   bool dense = true;
   double zmax = 0;
-  if (kk < V && sparse_top_k(logits, dtype, counts, extra0, extra1, s, kk, penalised, n)) {
+  // Sparse scans check validity themselves; the dense path checks first.
+  const int sparse = kk < V
+      ? sparse_top_k(logits, dtype, counts, extra0, extra1, s, kk, penalised, n)
+      : 0;
+  if (sparse < 0 || (sparse == 0 && !row_valid(logits, dtype, V))) {
+    return false;
+  }
+  if (sparse > 0) {
     dense = false;
   } else {
     RowSampler sp = s;
@@ -886,6 +915,16 @@ int64_t read_id(const mx::array& a, size_t i) {
                                 : a.data<int64_t>()[i];
 }
 
+// Builders are kept per thread between evaluations: their V-sized buffers
+// would otherwise be faulted in afresh on every call.
+cpu::RowDistBuilder& cached_builder(int slot, int V) {
+  thread_local std::unique_ptr<cpu::RowDistBuilder> cache[2];
+  if (!cache[slot] || cache[slot]->vocab() != V) {
+    cache[slot] = std::make_unique<cpu::RowDistBuilder>(V);
+  }
+  return *cache[slot];
+}
+
 double uniform_at(const float* u, size_t i) {
   return clamp_uniform<double>(double(u[i]), cpu::kOneBelow);
 }
@@ -919,7 +958,7 @@ void SampleTokens::eval_cpu(
     const int E = extra ? extra->shape(1) : 0;
     const char* base = static_cast<const char*>(logits.data<void>());
     int32_t* o = out.data<int32_t>();
-    cpu::RowDistBuilder builder(V);
+    cpu::RowDistBuilder& builder = cached_builder(0, V);
     for (int b = 0; b < B; ++b) {
       int64_t ex[2] = {-1, -1};
       for (int e = 0; e < E && e < 2; ++e) {
@@ -970,7 +1009,8 @@ void VerifySampled::eval_cpu(
     const size_t rb = row_bytes(vl, V);
     const mx::Dtype dt = vl.dtype();
     int32_t* o = out.data<int32_t>();
-    cpu::RowDistBuilder bp(V), bq(V);
+    cpu::RowDistBuilder& bp = cached_builder(0, V);
+    cpu::RowDistBuilder& bq = cached_builder(1, V);
     for (int b = 0; b < B; ++b) {
       int32_t* row = o + size_t(b) * kBundleCols;
       const int64_t x0 = read_id(tokens, size_t(b) * 2);

@@ -64,6 +64,10 @@ class RowDistBuilder {
   // take the sparse path: one vectorised threshold scan of the raw logits.
   static constexpr int kSparseLimit = 4096;
 
+  int vocab() const {
+    return V_;
+  }
+
   // V doubles free for the caller between builds (the dists built here do
   // not point into it).
   double* scratch() {
@@ -71,9 +75,10 @@ class RowDistBuilder {
   }
 
  private:
-  // The kept top-k candidates from the raw logits; false to fall back to the
-  // dense path. Fills idx_ (ascending) and z_ (their transformed logits).
-  bool sparse_top_k(
+  // The top-k candidates from the raw logits: fills idx_ (ascending) and z_
+  // (their transformed logits) and returns 1; 0 to fall back to the dense
+  // path; -1 for an unusable row.
+  int sparse_top_k(
       const void* logits,
       mx::Dtype dtype,
       const int32_t* counts,
