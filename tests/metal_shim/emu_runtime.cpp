@@ -10,6 +10,9 @@
 //     memory that nothing wrote;
 //   * simd shuffles / broadcasts whose lane argument is not uniform;
 //   * a launch that runs past its time-out (runaway loop).
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 700 // macOS hides ucontext without it
+#endif
 #include <sys/mman.h>
 #include <ucontext.h>
 
@@ -28,7 +31,7 @@
 
 // Fiber switch. On x86-64 a few instructions (callee-saved registers and the
 // stack pointer); elsewhere ucontext, whose swapcontext costs a syscall.
-#if defined(__x86_64__) && !defined(MEMU_USE_UCONTEXT)
+#if defined(__x86_64__) && defined(__ELF__) && !defined(MEMU_USE_UCONTEXT)
 #define MEMU_ASM_SWITCH 1
 extern "C" void memu_switch(void** save_sp, void* new_sp);
 extern "C" void memu_trampoline();
