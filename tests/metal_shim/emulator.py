@@ -53,7 +53,7 @@ def _inputs_digest(cxx: str) -> str:
     files = sorted(METAL_DIR.glob("*")) + sorted(SHIM_DIR.rglob("*"))
     files += sorted((REPO / "csrc" / "metal").glob("*.h"))
     for f in files:
-        if f.is_file() and f.suffix not in (".pyc",) and "__pycache__" not in f.parts:
+        if f.is_file() and f.suffix not in (".pyc", ".md") and "__pycache__" not in f.parts:
             h.update(str(f.relative_to(REPO)).encode())
             h.update(f.read_bytes())
     ver = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
