@@ -143,8 +143,8 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
     rng = _rng()
     rt = _runtime(model_type, rng)
     V = rt.vocab_size
-    prompts = _prompts(rng, V, B)
-    cap = int(rng.integers(6, 14)) | 1  # odd: the cap falls between a cycle's two tokens
+    prompts = _prompts(rng, V, B, max_len=20)
+    cap = int(rng.integers(8, 22)) | 1  # odd: the cap falls between a cycle's two tokens
     refs = [reference(rt, p, cap) for p in prompts]
     # A stop token from inside some reference, so streams do stop early.
     k = int(rng.integers(B))
@@ -161,6 +161,83 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
         for i, s in enumerate(r.streams):
             check_stream(i, s, *refs[i], stops, cap)
         check_counters(r, kw["use_mtp_draft"])
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+def test_prefill_in_chunks_changes_no_token(model_type, monkeypatch):
+    import mtplx_ext.decode as decode
+
+    rng = _rng()
+    rt = _runtime(model_type, rng)
+    prompts = _prompts(rng, rt.vocab_size, 3, max_len=20)
+    cap = int(rng.integers(5, 10))
+    refs = [reference(rt, p, cap) for p in prompts]
+    monkeypatch.setattr(decode, "PREFILL_STEP", int(rng.integers(2, 7)))
+    for mtp in (False, True):
+        r = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=mtp)
+        for i, s in enumerate(r.streams):
+            check_stream(i, s, *refs[i], set(), cap)
+
+
+class HeadRecorder:
+    """Records the real head's draft (argmax of the last position) per stream and drafted index.
+
+    A later call for the same index overwrites an earlier one, so graphs the
+    pipelined loop built ahead and dropped leave only the one it used.
+    """
+
+    def __init__(self, rt, prompts: list[list[int]]):
+        self.rt = rt
+        self.lengths = [len(p) for p in prompts]
+        self.drafts: dict[tuple[int, int], int] = {}
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def head_forward(self, hidden, next_tokens, head_cache):
+        logits = self.rt.head_forward(hidden, next_tokens, head_cache)
+        offset = np.array(head_cache[0].offset)  # advanced past this call's positions
+        draft = np.array(mx.argmax(logits[:, -1], axis=-1))
+        for i, n in enumerate(self.lengths):
+            self.drafts[i, int(offset[i]) + 1 - n] = int(draft[i])
+        self.calls += 1
+        return logits
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("chunk, serial", [(None, True), (3, True), (None, False)])
+def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, chunk, serial, monkeypatch):
+    # The head's cache must hold exactly the (hidden at t, token t + 1) pairs
+    # of the committed tokens, after accepted and after repaired cycles.
+    import mtplx_ext.decode as decode
+
+    if chunk:
+        monkeypatch.setattr(decode, "PREFILL_STEP", chunk)
+    rng = _rng()
+    rt = _runtime(model_type, rng)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    cap = int(rng.integers(10, 16))
+    refs = [reference(rt, p, cap)[0] for p in prompts]
+    rec = HeadRecorder(rt, prompts)
+    pattern = [1, 1, 0, 1, 0, 0, 1, 1]  # all-accept and repair cycles, both followed by both
+    head = ScriptedHead(rec, refs, prompts, "pattern", rng, pattern=pattern)
+    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=serial)
+    assert 0 < r.repair_cycles < r.cycles - 2
+    checked = 0
+    for i, (p, s) in enumerate(zip(prompts, r.streams)):
+        seq = p + s.tokens
+        _, hidden = rt.forward(mx.array([seq]))
+        logits = rt.head_forward(hidden[:, :-1], mx.array([seq[1:]]))[0]
+        for g in range(1, len(s.tokens), 2):  # drafted indices of the cycles
+            t = len(p) + g - 2  # head position whose output drafts generated token g
+            row = np.array(logits[t], dtype=np.float64)
+            top = np.sort(row)[-2:]
+            got = rec.drafts[i, g]
+            if got != int(np.argmax(row)):
+                assert top[1] - top[0] < TIE_TOL, f"stream {i}, token {g}: draft {got}, expected {np.argmax(row)}"
+            checked += 1
+    assert checked >= 3 * (cap // 2) - 3
 
 
 @pytest.mark.parametrize(
