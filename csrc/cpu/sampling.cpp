@@ -253,13 +253,6 @@ MTPLX_CLONES ZRange transform_bf16(
 
 // ---- Radix select over the order (key ascending, token ascending).
 
-struct Selected {
-  bool found;
-  uint64_t key;
-  int token;
-  int rank; // elements before it in the order
-};
-
 enum class SelectMode { kRank, kMass };
 
 // Candidates are positions j in [0, n) with transformed logit z[j], token
@@ -624,6 +617,9 @@ RowDistBuilder::RowDistBuilder(int vocab)
       z_(new double[vocab]),
       idx_(new int[vocab]),
       w_(new double[vocab]),
+      cz_(new double[vocab]),
+      cw_(new double[vocab]),
+      ci_(new int[vocab]),
       sel_a_(new int[vocab]),
       sel_b_(new int[vocab]) {}
 
@@ -700,6 +696,81 @@ int RowDistBuilder::sparse_top_k(
   return 1;
 }
 
+namespace {
+
+// Mass of w per level: level L holds weights in [4^-(L+1), 4^-L) (w <= 1),
+// the last level everything smaller. Four interleaved copies hide the
+// latency of repeated adds to one level.
+constexpr int kLevels = 32;
+
+MTPLX_INLINE int weight_level(double w) {
+  int e = int(std::bit_cast<uint64_t>(w) >> 52); // w >= 0: biased exponent
+  int l = (1023 - e) >> 1;
+  l = l < 0 ? 0 : l;
+  return l < kLevels - 1 ? l : kLevels - 1;
+}
+
+void level_masses(const double* w, int n, double* out) {
+  double acc[4][kLevels] = {};
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    for (int j = 0; j < 4; ++j) {
+      acc[j][weight_level(w[i + j])] += w[i + j];
+    }
+  }
+  for (; i < n; ++i) {
+    acc[0][weight_level(w[i])] += w[i];
+  }
+  for (int l = 0; l < kLevels; ++l) {
+    out[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+  }
+}
+
+} // namespace
+
+Selected RowDistBuilder::top_p_select(bool dense, int n, double target) {
+  double* z = z_.get();
+  int* idx = idx_.get();
+  double* w = w_.get();
+  if (dense && n > 8192) {
+    // Only the levels needed to reach the target (with a margin for
+    // rounding) can hold the crossing: select among their tokens alone.
+    double lm[kLevels];
+    level_masses(w, n, lm);
+    double cum = 0;
+    int last = kLevels - 1;
+    for (int l = 0; l < kLevels - 1; ++l) {
+      cum += lm[l];
+      if (cum >= target * (1 + 1e-9)) {
+        last = l;
+        break;
+      }
+    }
+    if (last < kLevels - 1) {
+      double* cz = cz_.get();
+      double* cw = cw_.get();
+      int* ci = ci_.get();
+      int c = 0;
+      for (int j = 0; j < n; ++j) {
+        if (weight_level(w[j]) <= last) {
+          cz[c] = z[j];
+          cw[c] = w[j];
+          ci[c] = j;
+          ++c;
+        }
+      }
+      RadixSelect sel(cz, ci, cw, c);
+      Selected th =
+          sel.run(SelectMode::kMass, 0, target, sel_a_.get(), sel_b_.get());
+      if (th.found) {
+        return th;
+      }
+    }
+  }
+  RadixSelect sel(z, dense ? nullptr : idx, w, n);
+  return sel.run(SelectMode::kMass, 0, target, sel_a_.get(), sel_b_.get());
+}
+
 bool RowDistBuilder::build(
     const void* logits,
     mx::Dtype dtype,
@@ -768,13 +839,13 @@ bool RowDistBuilder::build(
   }
   exp_dense(z, zmax, w, n);
   int m = n;
+  Selected cut{false, 0, -1, 0}; // the last kept element, when known
   if (s.top_p < 1) {
     const double target = s.top_p * lane_sum(w, n);
-    RadixSelect sel(z, dense ? nullptr : idx, w, n);
-    Selected th =
-        sel.run(SelectMode::kMass, 0, target, sel_a_.get(), sel_b_.get());
-    if (th.found) {
-      m = std::min(m, th.rank + 1);
+    Selected th = top_p_select(dense, n, target);
+    if (th.found && th.rank + 1 < m) {
+      m = th.rank + 1;
+      cut = th;
     }
   }
   if (s.min_p > 0) {
@@ -782,14 +853,17 @@ bool RowDistBuilder::build(
     for (int j = 0; j < n; ++j) {
       c += int(w[j] >= s.min_p);
     }
-    m = std::min(m, c);
+    if (std::max(c, 1) < m) {
+      m = std::max(c, 1);
+      cut.found = false;
+    }
   }
-  m = std::max(m, 1);
   if (m < n) {
-    RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
-    Selected th =
-        sel.run(SelectMode::kRank, m - 1, 0, sel_a_.get(), sel_b_.get());
-    n = keep_prefix(z, idx, w, dense, n, th);
+    if (!cut.found) {
+      RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
+      cut = sel.run(SelectMode::kRank, m - 1, 0, sel_a_.get(), sel_b_.get());
+    }
+    n = keep_prefix(z, idx, w, dense, n, cut);
     dense = false;
   }
   out = RowDist{n, dense ? nullptr : idx, w, lane_sum(w, n)};

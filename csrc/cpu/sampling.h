@@ -28,6 +28,15 @@ struct RowSampler {
   static RowSampler from_params(const float* row);
 };
 
+// An element of the order (key ascending = z descending, token ascending)
+// found by a select.
+struct Selected {
+  bool found;
+  uint64_t key;
+  int token;
+  int rank; // elements before it in the order
+};
+
 // A distribution over the vocabulary: weights w[j] (unnormalised, kept
 // tokens only) at tokens idx[j] ascending, or at j when idx is null (dense).
 struct RowDist {
@@ -89,10 +98,16 @@ class RowDistBuilder {
       bool penalised,
       int& n);
 
+  // The first element (in order) where the cumulative weight reaches
+  // `target`, with its rank.
+  Selected top_p_select(bool dense, int n, double target);
+
   int V_;
   std::unique_ptr<double[]> z_; // transformed logits at positions
   std::unique_ptr<int[]> idx_; // token of each position (compacted paths)
   std::unique_ptr<double[]> w_; // weights at positions
+  std::unique_ptr<double[]> cz_, cw_; // top-p candidates: z, w
+  std::unique_ptr<int[]> ci_; // top-p candidates: tokens
   std::unique_ptr<int[]> sel_a_, sel_b_; // radix select work lists
   std::vector<std::pair<int, int>> raw_; // (raw key, token) candidates
   std::vector<int> seen_; // tokens the penalties touch
