@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import wired_limit
 
 from mtplx_ext import cache_state
 from mtplx_ext.verify import (
@@ -184,6 +185,8 @@ def _check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
         raise ValueError("prompts is empty: give at least one prompt")
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, np.ndarray) and p.ndim == 1:
+            p = p.tolist()
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
             raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
         if len(p) == 0:
@@ -510,29 +513,41 @@ def generate_batched(
         raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     policy = make_policy(sampler, seed, row_seeds)
 
+    with wired_limit(runtime):
+        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, use_mtp_draft, serial, on_commit)
+
+
+def _generate(
+    runtime: Any,
+    prompts: list[list[int]],
+    policy: TokenPolicy,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    mtp: bool,
+    serial: bool,
+    on_commit: OnCommit | None,
+) -> BatchedDecodeResult:
     t0 = time.perf_counter()
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     pads = [width - n for n in lengths]
     padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
     cache = runtime.make_cache(pads)
-    head_cache = runtime.make_head_cache(pads) if use_mtp_draft else None
+    head_cache = runtime.make_head_cache(pads) if mtp else None
     dec = _Decoder(runtime, policy, cache, head_cache)
     tokens, info = dec.prefill(padded)
     # A device barrier (no host read) so prefill and decode times separate.
     mx.eval(tokens, [c.state for c in dec.caches()[0]])
     t1 = time.perf_counter()
 
-    st = _Streams(len(prompts), vocab, max_new_tokens, stop_ids, on_commit)
-    first = dec.verify_step(tokens, info, 1) if use_mtp_draft else _Pending(tokens)
-    if use_mtp_draft:
-        st.result.forwards += 1
+    st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit)
+    first = dec.verify_step(tokens, info, 1) if mtp else _Pending(tokens)
+    st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
-    _run_cycles(dec, st, first, use_mtp_draft, serial)
-    t2 = time.perf_counter()
+    _run_cycles(dec, st, first, mtp, serial)
     st.result.prefill_s = t1 - t0
-    st.result.decode_s = t2 - t1
+    st.result.decode_s = time.perf_counter() - t1
     return st.result
 
 
