@@ -436,6 +436,18 @@ def test_nan_logits_of_a_finished_stream_are_ignored():
         check_stream(i, r.streams[i], *refs[i], stops, cap)
 
 
+@pytest.mark.parametrize("mtp", [False, True])
+def test_one_new_token_is_the_prefill_token_with_no_decode_forward(mtp):
+    rng = _rng()
+    rt = _runtime("qwen3_next", rng)
+    prompts = _prompts(rng, rt.vocab_size, 3)
+    refs = [reference(rt, p, 1) for p in prompts]
+    r = generate_greedy_batched(rt, prompts, max_new_tokens=1, use_mtp_draft=mtp)
+    assert (r.cycles, r.forwards, r.host_syncs, r.drafted) == (1, 0, 1, 0)
+    for i, s in enumerate(r.streams):
+        check_stream(i, s, *refs[i], set(), 1)
+
+
 def test_bad_arguments_raise_errors_naming_them():
     rng = _rng()
     rt = _runtime("qwen3", rng)

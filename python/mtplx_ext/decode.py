@@ -513,8 +513,10 @@ def generate_batched(
         raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     policy = make_policy(sampler, seed, row_seeds)
 
+    # One token per stream is the prefill's x0: nothing to draft or verify.
+    mtp = use_mtp_draft and max_new_tokens > 1
     with wired_limit(runtime):
-        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, use_mtp_draft, serial, on_commit)
+        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit)
 
 
 def _generate(
