@@ -170,3 +170,19 @@ def test_cache_list_type_errors_name_the_argument():
         cache_state.trim_kv("not a list", 2)
     with pytest.raises(TypeError, match="caches"):
         cache_state.snapshot_recurrent(None)
+
+
+def test_runtime_snapshot_restore_trim_undo_a_forward_bit_exactly(hybrid):
+    rng = np.random.default_rng()
+    V = hybrid.vocab_size
+    toks, pads = _ragged(rng, V, 2)
+    cache = _prefilled(hybrid, toks, pads)
+    before = _host_leaves(cache)
+    sizes = [c.size() for c in cache if isinstance(c, BatchKVCache)]
+    snap = hybrid.snapshot(cache)
+    hybrid.forward(mx.array(rng.integers(0, V, (2, 3)).astype(np.int32)), cache)
+    hybrid.restore(cache, snap)
+    hybrid.trim(cache, 3)
+    assert [c.size() for c in cache if isinstance(c, BatchKVCache)] == sizes
+    for a, b in zip(_host_leaves(cache), before):
+        assert np.array_equal(a, b)

@@ -181,6 +181,26 @@ class MTPRuntime(nn.Module):
         x = self.head(hidden, embeds, head_cache)
         return self.head.logits(x, self.trunk)
 
+    # -- rollback (the decode loop's repair; see cache_state) --------------
+
+    def snapshot(self, cache: list) -> Any:
+        """Device copy of the recurrent (non-trimmable) state of `cache`, in one primitive."""
+        from mtplx_ext import cache_state
+
+        return cache_state.snapshot_recurrent(cache)
+
+    def restore(self, cache: list, snapshot: Any) -> None:
+        """Writes a `snapshot` back into `cache`, in one primitive."""
+        from mtplx_ext import cache_state
+
+        cache_state.restore_recurrent(cache, snapshot)
+
+    def trim(self, cache: list, n: int) -> None:
+        """Drops the last `n` tokens of every KV (trimmable) layer of `cache`."""
+        from mtplx_ext import cache_state
+
+        cache_state.trim_kv(cache, n)
+
     # -- persistence -------------------------------------------------------
 
     def save(self, path: str | Path) -> None:
