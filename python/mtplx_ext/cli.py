@@ -1,0 +1,489 @@
+"""The `mtplx-ext` command: generate text with MTP decoding, or benchmark it.
+
+    mtplx-ext generate "def parse(" --max-tokens 64
+    mtplx-ext bench --batch 1,8 --tokens 128 --repeats 3 --json bench.json
+
+Without --model both use the small model shipped inside the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# The package import loads the fast BLAS before anything imports mlx.core.
+import mtplx_ext
+from mtplx_ext import _blas
+
+SHIPPED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-mtp"
+EOS = "<|endoftext|>"
+
+#: Prompts for `bench` (code, like the shipped model's training data); batch
+#: B uses the first B, cycling.
+BENCH_PROMPTS = (
+    "def read_config(path):\n",
+    "class Queue:\n    def __init__(self",
+    "import os\nimport sys\n\n\ndef main(",
+    "    for key, value in",
+    "def _check_args(self, name",
+    "try:\n    import",
+    "    if not isinstance(",
+    "class Error(Exception):\n",
+)
+DEFAULT_PROMPT = "def fibonacci(n):\n"
+
+
+class CLIError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+# -- model -------------------------------------------------------------------
+
+
+def load_model(path: str | None, need_mtp: bool) -> Any:
+    """Loads a model folder (default: the shipped one) with one-line errors."""
+    folder = Path(path) if path else SHIPPED_MODEL
+    if not folder.exists():
+        if path is None:
+            raise CLIError(f"the shipped model is missing from this install ({folder}); reinstall mtplx-ext")
+        raise CLIError(f"model folder {str(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise CLIError(f"--model {str(folder)!r} is not a folder (give a Hugging Face-style model folder)")
+    if not (folder / "config.json").is_file():
+        raise CLIError(f"model folder {str(folder)!r} has no config.json")
+    if not any(folder.glob("*.safetensors")):
+        raise CLIError(f"model folder {str(folder)!r} has no *.safetensors weights")
+    try:
+        rt = mtplx_ext.load(folder)
+    except (ValueError, KeyError, OSError) as e:
+        raise CLIError(f"cannot load model folder {str(folder)!r}: {e}") from e
+    if need_mtp and not rt.has_mtp:
+        raise CLIError(
+            f"model folder {str(folder)!r} has no MTP head weights; "
+            "use --no-mtp for plain decoding with it"
+        )
+    return rt
+
+
+def _tokenizer(rt: Any, folder: str | None) -> Any:
+    if rt.tokenizer is None:
+        raise CLIError(f"model folder {folder or str(SHIPPED_MODEL)!r} has no tokenizer.json to encode text prompts")
+    return rt.tokenizer
+
+
+def _stop_ids(tok: Any) -> list[int]:
+    eos = tok.token_to_id(EOS)
+    return [eos] if eos is not None else []
+
+
+def _encode(tok: Any, prompts: list[str]) -> list[list[int]]:
+    ids = [tok.encode(p).ids for p in prompts]
+    for p, t in zip(prompts, ids):
+        if not t:
+            raise CLIError(f"prompt {p!r} encodes to no tokens")
+    return ids
+
+
+# -- streaming output --------------------------------------------------------
+
+
+class TextStreamer:
+    """Prints committed tokens as text while decoding runs.
+
+    One stream prints raw text; several streams print whole lines prefixed
+    with the stream index, so their output does not interleave mid-line.
+    """
+
+    def __init__(self, tok: Any, n: int, out=None, header: str = ""):
+        self.tok = tok
+        self.header = header  # shown with the first committed tokens
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.printed = [0] * n  # characters of decoded text already shown
+        self.out = out or sys.stdout
+        self.multi = n > 1
+
+    def _text(self, i: int) -> str:
+        text = self.tok.decode(self.ids[i])
+        # A byte-level token can end inside a UTF-8 character: hold it back.
+        return text[:-1] if text.endswith("\ufffd") else text
+
+    def _start(self) -> None:
+        if self.header:
+            self.out.write(self.header)
+            self.header = ""
+
+    def __call__(self, i: int, new: list[int]) -> None:
+        self._start()
+        self.ids[i].extend(new)
+        text = self._text(i)
+        if not self.multi:
+            self.out.write(text[self.printed[i] :])
+            self.printed[i] = len(text)
+        else:
+            end = text.rfind("\n") + 1
+            if end > self.printed[i]:
+                for line in text[self.printed[i] : end].splitlines():
+                    self.out.write(f"[{i}] {line}\n")
+                self.printed[i] = end
+        self.out.flush()
+
+    def finish(self) -> None:
+        self._start()
+        for i in range(len(self.ids)):
+            rest = self.tok.decode(self.ids[i])[self.printed[i] :]
+            if self.multi:
+                for line in rest.splitlines():
+                    self.out.write(f"[{i}] {line}\n")
+            else:
+                self.out.write(rest + "\n")
+        self.out.flush()
+
+
+# -- generate ----------------------------------------------------------------
+
+
+def _decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_commit=None, stop=()) -> Any:
+    if args.temperature > 0:
+        sampler = mtplx_ext.SamplerConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+        try:
+            return mtplx_ext.generate_batched(
+                rt, prompts, max_new_tokens=args.max_tokens, sampler=sampler, seed=args.seed,
+                stop_token_ids=stop, use_mtp_draft=not args.no_mtp, on_commit=on_commit,
+            )
+        except NotImplementedError as e:
+            raise CLIError(f"--temperature > 0 is not available in this build: {e}") from e
+    return mtplx_ext.generate_greedy_batched(
+        rt, prompts, max_new_tokens=args.max_tokens, stop_token_ids=stop,
+        use_mtp_draft=not args.no_mtp, on_commit=on_commit,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    rt = load_model(args.model, need_mtp=not args.no_mtp)
+    tok = _tokenizer(rt, args.model)
+    texts = args.prompt or [DEFAULT_PROMPT]
+    prompts = _encode(tok, texts)
+    if len(prompts) == 1:
+        header = texts[0]
+    else:
+        header = "".join(f"[{i}] prompt: {t!r}\n" for i, t in enumerate(texts))
+    streamer = TextStreamer(tok, len(prompts), header=header)
+    res = _decode(rt, prompts, args, on_commit=streamer, stop=_stop_ids(tok))
+    streamer.finish()
+    per_stream = res.generated_tokens / len(prompts)
+    mode = "plain decoding" if args.no_mtp else f"MTP acceptance {res.acceptance_rate:.2f}"
+    print(
+        f"-- {res.generated_tokens} tokens in {res.decode_s:.2f}s: {res.tokens_per_s:.1f} tokens/s, "
+        f"{mode}, {res.forwards / max(per_stream, 1):.2f} forwards/token, "
+        f"batch {len(prompts)}, BLAS {_blas.status().name}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# -- bench -------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One timed decode: tokens over all streams and seconds after the first token."""
+
+    tokens: int
+    seconds: float
+    acceptance: float | None = None
+    forwards_per_token: float | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool) -> Run:
+    r = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, use_mtp_draft=mtp)
+    per_stream = r.generated_tokens / len(prompts)
+    return Run(
+        tokens=r.generated_tokens,
+        seconds=r.decode_s,
+        acceptance=r.acceptance_rate if mtp else None,
+        forwards_per_token=r.forwards / per_stream,
+        outputs=[s.tokens for s in r.streams],
+    )
+
+
+def _mlx_lm_run(rt: Any, prompts: list[list[int]], n: int) -> Run:
+    """mlx-lm's own greedy generation on the same trunk (the peer baseline).
+
+    Batch 1 uses `generate_step` (what `mlx_lm.generate` runs); larger batches
+    `BatchGenerator` (what `mlx_lm.batch_generate` runs). Time counts from
+    the first generated token, as the engine's decode time does.
+    """
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    if len(prompts) == 1:
+        out: list[int] = []
+        t_first = None
+        for tok, _ in generate_step(mx.array(prompts[0]), rt.trunk, max_tokens=n):
+            out.append(int(tok))
+            if t_first is None:
+                t_first = time.perf_counter()
+        return Run(tokens=len(out), seconds=time.perf_counter() - t_first, outputs=[out])
+    gen = BatchGenerator(rt.trunk, max_tokens=n)
+    uids = gen.insert(prompts, [n] * len(prompts))
+    outs: dict[int, list[int]] = {u: [] for u in uids}
+    t_first = None
+    while responses := gen.next_generated():
+        if t_first is None:
+            t_first = time.perf_counter()
+        for r in responses:
+            outs[r.uid].append(int(r.token))
+    seconds = time.perf_counter() - t_first
+    gen.close()
+    return Run(tokens=sum(len(v) for v in outs.values()), seconds=seconds, outputs=[outs[u] for u in uids])
+
+
+METHODS = ("mtp", "plain", "mlx-lm")
+
+
+def _parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch must be comma-separated positive ints, got {text!r}") from None
+    if not batches or any(b < 1 for b in batches):
+        raise argparse.ArgumentTypeError(f"--batch must be comma-separated positive ints, got {text!r}")
+    return batches
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {text!r}") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {v}")
+        return v
+
+    return parse
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    def ver(d: str) -> str:
+        try:
+            return md.version(d)
+        except md.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "mtplx-ext": mtplx_ext.__version__,
+        "mlx": ver("mlx"),
+        "mlx-lm": ver("mlx-lm"),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "blas": _blas.describe(),
+    }
+
+
+def run_bench(rt: Any, tok: Any, batches: list[int], n: int, repeats: int, progress: bool = True) -> dict:
+    """All methods at all batch sizes, interleaved per repeat; medians of repeats."""
+    prompt_ids = _encode(tok, list(BENCH_PROMPTS))
+    runners = {
+        "mtp": lambda p: _engine_run(rt, p, n, True),
+        "plain": lambda p: _engine_run(rt, p, n, False),
+        "mlx-lm": lambda p: _mlx_lm_run(rt, p, n),
+    }
+    total = len(batches) * len(METHODS) * (repeats + 1)
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr, leave=False)
+        except ImportError:
+            pass
+    rows = []
+    for b in batches:
+        prompts = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
+        runs: dict[str, list[Run]] = {m: [] for m in METHODS}
+        # One untimed warm-up per method, then methods interleave per repeat so
+        # that load changes on the machine hit all of them alike.
+        for rep in range(repeats + 1):
+            for m in METHODS:
+                r = runners[m](prompts)
+                if rep > 0:
+                    runs[m].append(r)
+                if bar is not None:
+                    bar.set_postfix(batch=b, method=m, refresh=False)
+                    bar.update(1)
+        plain_tps = statistics.median(r.tokens_per_s for r in runs["plain"])
+        ref_out = runs["plain"][0].outputs
+        for m in METHODS:
+            rs = runs[m]
+            tps = statistics.median(r.tokens_per_s for r in rs)
+            acc = [r.acceptance for r in rs if r.acceptance is not None]
+            fpt = [r.forwards_per_token for r in rs if r.forwards_per_token is not None]
+            rows.append({
+                "batch": b,
+                "method": m,
+                "tokens_per_s": tps,
+                "ratio_to_plain": tps / plain_tps if plain_tps else 0.0,
+                "acceptance_rate": statistics.median(acc) if acc else None,
+                "forwards_per_token": statistics.median(fpt) if fpt else None,
+                "streams_equal_to_plain": sum(a == c for a, c in zip(rs[0].outputs, ref_out)),
+                "streams": b,
+                "tokens_per_s_repeats": [r.tokens_per_s for r in rs],
+            })
+    if bar is not None:
+        bar.close()
+    return {"tokens": n, "repeats": repeats, "rows": rows, "versions": versions()}
+
+
+def format_table(report: dict) -> str:
+    """A Markdown table of a bench report."""
+    lines = [
+        f"BLAS: {report['versions']['blas']}",
+        f"{report['tokens']} new tokens per stream, median of {report['repeats']} repeats",
+        "",
+        "| batch | method | tokens/s | x plain | acceptance | forwards/token | 0.8 x (1 + acc.) | same tokens as plain |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["rows"]:
+        acc = r["acceptance_rate"]
+        fpt = r["forwards_per_token"]
+        lines.append(
+            f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio_to_plain']:.2f} | "
+            f"{'' if acc is None else f'{acc:.2f}'} | {'' if fpt is None else f'{fpt:.2f}'} | "
+            f"{'' if acc is None else f'{0.8 * (1 + acc):.2f}'} | "
+            f"{r['streams_equal_to_plain']}/{r['streams']} |"
+        )
+    return "\n".join(lines)
+
+
+def write_plot(report: dict, path: str) -> str:
+    """Bar chart of tokens/s per batch and method, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot skipped: matplotlib is not installed (pip install matplotlib); the table holds the numbers"
+    batches = sorted({r["batch"] for r in report["rows"]})
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.8 / len(METHODS)
+    for k, m in enumerate(METHODS):
+        vals = [next(r["tokens_per_s"] for r in report["rows"] if r["batch"] == b and r["method"] == m) for b in batches]
+        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(batches))]
+        ax.bar(xs, vals, width, label=m)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("tokens/s (all streams)")
+    ax.set_title(f"mtplx-ext bench, {report['tokens']} tokens; BLAS {_blas.status().name}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot written to {path}"
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    rt = load_model(args.model, need_mtp=True)
+    tok = _tokenizer(rt, args.model)
+    print(f"BLAS: {_blas.describe()}", file=sys.stderr)
+    report = run_bench(rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress)
+    report["command"] = "mtplx-ext " + " ".join(args.argv)
+    report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
+    print(format_table(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results written to {args.json}", file=sys.stderr)
+    if args.plot:
+        print(write_plot(report, args.plot), file=sys.stderr)
+    return 0
+
+
+# -- entry point -------------------------------------------------------------
+
+
+def _probability(name: str):
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not 0.0 < v <= 1.0:
+            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {v}")
+        return v
+
+    return parse
+
+
+def _non_negative(name: str, kind=float):
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a non-negative {kind.__name__}, got {text!r}") from None
+        if not v >= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
+        return v
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mtplx-ext", description="Batched MTP speculative decoding on MLX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode prompts as one batch, streaming text")
+    g.add_argument("prompt", nargs="*", help=f"prompt texts (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("--model", help="model folder (default: the shipped model)")
+    g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=128)
+    g.add_argument("--temperature", type=_non_negative("--temperature"), default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=_probability("--top-p"), default=1.0)
+    g.add_argument("--top-k", type=_non_negative("--top-k", int), default=0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="MTP vs plain decoding vs mlx-lm, tokens/s")
+    b.add_argument("--model", help="model folder (default: the shipped model)")
+    b.add_argument("--batch", type=_parse_batches, default=[1, 4, 8], help="batch sizes, e.g. 1,4,8")
+    b.add_argument("--tokens", type=_positive("--tokens"), default=128, help="new tokens per stream")
+    b.add_argument("--repeats", type=_positive("--repeats"), default=3)
+    b.add_argument("--json", help="write the full report here")
+    b.add_argument("--plot", help="write a bar chart PNG here (needs matplotlib)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs `mtplx-ext`; returns the exit status."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"mtplx-ext: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmtplx-ext: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
