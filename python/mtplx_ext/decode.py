@@ -151,15 +151,26 @@ def make_policy(sampler: Any = None, seed: int | None = None, row_seeds: Sequenc
     """The token policy for a sampler setting.
 
     Args:
-        sampler: None, or an object with a `temperature` attribute.
-        seed, row_seeds: random seeds of the sampled path.
+        sampler: None; a `SamplerConfig` or one per stream (sampled
+            speculative decoding, exact: `mtplx_ext.sampled.SampledPolicy`);
+            or any object with `temperature` 0 (greedy).
+        seed, row_seeds: random seeds of the sampled path; row_seeds (one
+            per stream) make each stream independent of the batch.
 
     Raises:
-        NotImplementedError: for temperature > 0 (sampled decoding).
+        NotImplementedError: temperature > 0 without a SamplerConfig.
         TypeError / ValueError: for an unusable sampler.
     """
     if sampler is None:
         return GreedyPolicy()
+    from mtplx_ext.sampled import SampledPolicy  # noqa: PLC0415 (import cycle)
+    from mtplx_ext.sampling import SamplerConfig  # noqa: PLC0415
+
+    if isinstance(sampler, SamplerConfig) or (
+        isinstance(sampler, Sequence) and len(sampler) > 0 and all(isinstance(c, SamplerConfig) for c in sampler)
+    ):
+        sampled = SampledPolicy(sampler, seed=seed, row_seeds=row_seeds)
+        return GreedyPolicy() if sampled.is_plain_greedy else sampled
     temperature = getattr(sampler, "temperature", None)
     if temperature is None:
         raise TypeError(f"sampler must be None or have a temperature, got {type(sampler).__name__}")
@@ -168,7 +179,9 @@ def make_policy(sampler: Any = None, seed: int | None = None, row_seeds: Sequenc
         raise ValueError(f"sampler.temperature must be >= 0, got {temperature}")
     if temperature == 0.0:
         return GreedyPolicy()
-    raise NotImplementedError("sampled decoding (temperature > 0) is not implemented yet")
+    raise NotImplementedError(
+        "sampled decoding (temperature > 0) takes a mtplx_ext.SamplerConfig (or one per stream)"
+    )
 
 
 # -- argument checks ---------------------------------------------------------
@@ -245,24 +258,26 @@ class _Decoder:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
 
     def prefill(self, padded: mx.array) -> tuple[mx.array, Any]:
-        """Prompt forward (chunked) and the head's prefill; returns ([B, 2] or [B, 1] tokens, draft info)."""
+        """Chunked prompt forward and the head's prefill.
+
+        Returns:
+            ([B, 2] (x0, draft), draft info), or ([B, 1] x0, None) without a head.
+        """
         T = padded.shape[1]
-        hiddens = []
-        logits = None
-        for s in range(0, T, PREFILL_STEP):
+        starts = list(range(0, T, PREFILL_STEP))
+        for s in starts:
             logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache, last_logits_only=True)
-            hiddens.append(hidden)
-            mx.async_eval([c.state for c in self.cache])
+            # The head consumes (hidden at t, token t + 1); the last chunk's
+            # final pair needs x0, so that chunk waits for it.
+            if self.head_cache is not None and s != starts[-1]:
+                self.rt.head_forward(hidden, padded[:, s + 1 : s + PREFILL_STEP + 1], self.head_cache)
+            mx.async_eval([c.state for cl in self.caches() for c in cl])
         x0 = self.policy.pick(logits[:, -1], 0)
         cache_state.finish_prefill(self.cache)
         if self.head_cache is None:
             return x0[:, None], None
-        # The head consumes (hidden at t, token t + 1): the prompt shifted by
-        # one, then x0 after the last prompt position.
-        nxt = mx.concatenate([padded[:, 1:], _model_tokens(x0)[:, None]], axis=1)
-        head_logits = None
-        for i, s in enumerate(range(0, T, PREFILL_STEP)):
-            head_logits = self.rt.head_forward(hiddens[i], nxt[:, s : s + PREFILL_STEP], self.head_cache)
+        nxt = mx.concatenate([padded[:, starts[-1] + 1 :], _model_tokens(x0)[:, None]], axis=1)
+        head_logits = self.rt.head_forward(hidden, nxt, self.head_cache)
         cache_state.finish_prefill(self.head_cache)
         draft, info = self.policy.draft(head_logits[:, -1], 0)
         return mx.stack([x0, draft], axis=1), info
@@ -476,9 +491,13 @@ def generate_batched(
         prompts: token-id lists, any lengths (left-padded into one batch;
             padding never changes a stream's tokens).
         max_new_tokens: cap on each stream's generated tokens (exact).
-        sampler: None or an object with `temperature` 0 for greedy decoding;
-            temperature > 0 is not implemented yet.
-        seed, row_seeds: seeds of the sampled path (unused when greedy).
+        sampler: None or an object with `temperature` 0 for greedy
+            decoding; a `mtplx_ext.SamplerConfig` (or a list, one per
+            stream) for exact sampled speculative decoding.
+        seed, row_seeds: seeds of the sampled path (unused when greedy):
+            row_seeds gives each stream its own seed, so that its tokens do
+            not depend on the other streams of the batch; with `seed` alone,
+            stream i's seed derives from (seed, i).
         stop_token_ids: tokens that end a stream (the stop token is kept).
         use_mtp_draft: False decodes plainly, one token per forward (the
             baseline), through the same runtime.
@@ -494,7 +513,7 @@ def generate_batched(
 
     Raises:
         TypeError / ValueError: naming the bad argument.
-        NotImplementedError: sampled decoding (temperature > 0).
+        NotImplementedError: temperature > 0 without a SamplerConfig.
         RuntimeError: naming a stream whose logits or tokens became invalid.
     """
     vocab = int(runtime.vocab_size)
