@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from mtplx_ext import _ext
 from mtplx_ext._checks import require_array, require_int_tokens, require_logits
@@ -172,4 +173,140 @@ def row_uniforms(keys: mx.array, n: int) -> mx.array:
     return mx.vmap(lambda k: mx.random.uniform(shape=(n,), key=k))(keys)
 
 
-__all__ = ["row_uniforms", "sample_tokens", "sampler_params", "verify_sampled"]
+# -- decode-loop token policy -------------------------------------------------
+
+#: Uniform streams of a sampled decode: one key per (row, step, call).
+_CALL_PICK, _CALL_DRAFT, _CALL_ACCEPT, _CALL_RESAMPLE = range(4)
+
+
+class SampledPolicy:
+    """Token policy of `generate_batched` for a SamplerConfig (per stream).
+
+    Exact speculative sampling: x0 and the MTP draft come from
+    `sample_tokens`, the verification from `verify_sampled` (draft accepted
+    with probability min(1, p/q), else a residual draw), so committed tokens
+    follow the target's sampled distribution whatever the head proposes.
+
+    Randomness: row b's uniform for (step, call) comes from its own key, so a
+    stream's tokens depend only on its seed and its own logits: not on the
+    batch's other streams or their order, nor on serial vs pipelined loops.
+    The bonus drawn at cycle s and the x0 a repair forward picks for cycle
+    s + 1 use the same uniform, so an accepted stream commits the same token
+    whether or not another stream forced the batch to repair.
+
+    Penalty counts (generated tokens only) live on the device as a [B, V]
+    int32 array updated from each bundle; they are kept only when some
+    stream has a penalty.
+    """
+
+    def __init__(
+        self,
+        sampler: SamplerConfig | Sequence[SamplerConfig],
+        seed: int | None = None,
+        row_seeds: Sequence[int] | None = None,
+    ):
+        if isinstance(sampler, SamplerConfig):
+            self._configs: list[SamplerConfig] | None = None
+            self._shared = sampler
+        else:
+            configs = list(sampler)
+            for i, c in enumerate(configs):
+                if not isinstance(c, SamplerConfig):
+                    raise TypeError(f"sampler[{i}] must be a SamplerConfig, got {type(c).__name__}")
+            if not configs:
+                raise ValueError("sampler is an empty list: give one SamplerConfig per stream")
+            self._configs = configs
+            self._shared = None
+        if row_seeds is not None:
+            row_seeds = [int(x) for x in row_seeds]
+            if any(not 0 <= x < 2**64 for x in row_seeds):
+                raise ValueError("row_seeds must be ints in [0, 2**64)")
+        if seed is not None and not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed}")
+        self._seed = seed
+        self._row_seeds = row_seeds
+        self._ready = False
+        # Device state (checkpointed by the pipelined loop with the caches).
+        self.counts: mx.array | None = None
+        self.x0: mx.array | None = None
+        self.x0_is_bonus = False
+
+    @property
+    def configs(self) -> list[SamplerConfig] | SamplerConfig:
+        return self._configs if self._configs is not None else self._shared
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """True when every stream is greedy without penalties."""
+        cs = self._configs if self._configs is not None else [self._shared]
+        return all(c.greedy and not c.has_penalties for c in cs)
+
+    def _setup(self, B: int, V: int) -> None:
+        if self._ready:
+            return
+        if self._configs is not None and len(self._configs) != B:
+            raise ValueError(f"sampler has {len(self._configs)} SamplerConfigs for {B} prompts")
+        seeds = self._row_seeds
+        if seeds is None:
+            rng = np.random.default_rng(self._seed)
+            seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
+        elif len(seeds) != B:
+            raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
+        self._keys = np.stack([np.array(mx.random.key(s)) for s in seeds]).astype(np.uint32)
+        self._params = sampler_params(self.configs, B)
+        cs = self._configs if self._configs is not None else [self._shared]
+        self._penalties = any(c.has_penalties for c in cs)
+        self._V = V
+        self._ready = True
+
+    def _uniforms(self, step: int, calls: Sequence[int]) -> mx.array:
+        """[B, len(calls)] float32: row b's uniform of (step, call)."""
+        cols = []
+        for c in calls:
+            k = self._keys.copy()
+            k[:, 1] ^= np.uint32(((step << 2) | c) & 0xFFFFFFFF)
+            cols.append(mx.vmap(lambda kk: mx.random.uniform(shape=(), key=kk))(mx.array(k)))
+        return mx.stack(cols, axis=1)
+
+    def _add(self, counts: mx.array, tok: mx.array) -> mx.array:
+        # Invalid (-1) tokens count nothing and are never used as an index.
+        rows = mx.arange(tok.shape[0])
+        return counts.at[rows, mx.maximum(tok, 0)].add((tok >= 0).astype(mx.int32))
+
+    def pick(self, logits: mx.array, step: int = 0) -> mx.array:
+        B, V = logits.shape
+        self._setup(B, V)
+        if self._penalties:
+            if self.counts is None:
+                self.counts = mx.zeros((B, V), mx.int32)
+            if self.x0 is not None and not self.x0_is_bonus:
+                # Plain decoding: the previous pick is now committed.
+                self.counts = self._add(self.counts, self.x0)
+        u = self._uniforms(step, [_CALL_PICK])[:, 0]
+        tok = sample_tokens(logits, u, self._params, token_counts=self.counts)
+        self.x0, self.x0_is_bonus = tok, False
+        return tok
+
+    def draft(self, head_logits: mx.array, step: int = 0) -> tuple[mx.array, mx.array]:
+        B, V = head_logits.shape
+        self._setup(B, V)
+        u = self._uniforms(step, [_CALL_DRAFT])[:, 0]
+        extra = None if self.x0 is None or not self._penalties else self.x0[:, None]
+        d = sample_tokens(head_logits, u, self._params, token_counts=self.counts, extra_tokens=extra)
+        return d, head_logits
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: mx.array, step: int = 0) -> mx.array:
+        B, _, V = verify_logits.shape
+        self._setup(B, V)
+        u = mx.concatenate(
+            [self._uniforms(step, [_CALL_ACCEPT, _CALL_RESAMPLE]), self._uniforms(step + 1, [_CALL_PICK])], axis=1
+        )
+        bundle = verify_sampled(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
+        if self._penalties:
+            self.counts = self._add(self._add(self.counts, bundle[:, 0]), bundle[:, 2])
+        # The next x0 is the bonus, unless a repair forward picks it anew.
+        self.x0, self.x0_is_bonus = bundle[:, 4], True
+        return bundle
+
+
+__all__ = ["SampledPolicy", "row_uniforms", "sample_tokens", "sampler_params", "verify_sampled"]

@@ -1,0 +1,157 @@
+"""Sampled speculative decoding end to end: generate_batched with a SamplerConfig.
+
+On random qwen3 models, the first two tokens of many independent streams
+(one stream per seed, all in one batch) must follow the model's sampled
+distribution, P(t1) p(t2 | t1) after the sampler's transforms (penalties
+counting t1 at the second position), both with MTP drafts and with plain
+sampling (G-test at alpha = 1e-3). The same test rejects a decode whose
+verification is deliberately broken. Streams must not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+import mtplx_ext
+import mtplx_ext.sampled as sampled_mod
+from mtplx_ext import SamplerConfig
+from mtplx_ext.sampling import counts_with, distribution_from_logits
+
+ALPHA = 1e-3
+N = 4000
+
+SETTINGS = {
+    # Small vocabulary, hot: the head's drafts are often accepted.
+    "vocab16_hot_top_p_presence": (16, SamplerConfig(temperature=3.0, top_p=0.95, presence_penalty=0.5)),
+    # Full vocabulary, top-k: drafts mostly rejected (residual draws).
+    "vocab512_top_k": (512, SamplerConfig(temperature=0.8, top_k=6, frequency_penalty=0.4)),
+}
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+def expected_joint(rt, prompt: list[int], cfg: SamplerConfig) -> np.ndarray:
+    """P(t1) p(t2 | t1) from full forwards of the trunk, in float64."""
+    V = rt.vocab_size
+    last = lambda toks: np.array(rt.trunk(mx.array([toks]))[0, -1].astype(mx.float32), np.float64)  # noqa: E731
+    p1 = distribution_from_logits(last(prompt), cfg, None)
+    joint = np.zeros((V, V))
+    for t1 in np.flatnonzero(p1):
+        joint[t1] = p1[t1] * distribution_from_logits(last(prompt + [int(t1)]), cfg, counts_with(None, V, [t1]))
+    return joint
+
+
+def g_test_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
+    """G-test p-value; 0 when a cell of probability 0 was observed."""
+    n = observed.sum()
+    if np.any(observed[expected_p == 0] > 0):
+        return 0.0
+    e = expected_p[expected_p > 0] * n
+    o = observed[expected_p > 0].astype(np.float64)
+    small = e < 5
+    if small.any():
+        e = np.append(e[~small], e[small].sum())
+        o = np.append(o[~small], o[small].sum())
+    nz = o > 0
+    g = 2.0 * np.sum(o[nz] * np.log(o[nz] / e[nz]))
+    return float(chi2.sf(g, df=len(e) - 1))
+
+
+def first_two(rt, prompt, cfg, seeds, *, mtp: bool) -> tuple[np.ndarray, float]:
+    res = mtplx_ext.generate_batched(
+        rt, [prompt] * len(seeds), max_new_tokens=2, sampler=cfg, row_seeds=seeds, use_mtp_draft=mtp
+    )
+    pairs = np.array([s.tokens for s in res.streams])
+    assert pairs.shape == (len(seeds), 2)
+    return pairs, res.acceptance_rate
+
+
+def pair_pvalue(rt, prompt, cfg, pairs) -> float:
+    V = rt.vocab_size
+    joint = expected_joint(rt, prompt, cfg)
+    return g_test_pvalue(np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V), joint.reshape(-1))
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_mtp_and_plain_sampling_give_the_models_first_two_token_distribution(rng, name):
+    vocab, cfg = SETTINGS[name]
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
+    prompt = rng.integers(0, vocab, size=int(rng.integers(2, 7))).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    mtp_pairs, acc = first_two(rt, prompt, cfg, seeds, mtp=True)
+    plain_pairs, _ = first_two(rt, prompt, cfg, seeds, mtp=False)
+    p_mtp = pair_pvalue(rt, prompt, cfg, mtp_pairs)
+    p_plain = pair_pvalue(rt, prompt, cfg, plain_pairs)
+    assert p_mtp >= ALPHA, f"MTP sampling off the model's distribution: p = {p_mtp:.2e} (acceptance {acc:.3f})"
+    assert p_plain >= ALPHA, f"plain sampling off the model's distribution: p = {p_plain:.2e}"
+    # Same seeds, same first token: x0 is drawn the same way in both loops.
+    assert np.array_equal(mtp_pairs[:, 0], plain_pairs[:, 0])
+
+
+def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatch):
+    vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
+
+    def residual_from_target(verify_logits, draft_logits, tokens, uniforms, sampler, *, token_counts=None, stream=None):
+        params = sampled_mod.sampler_params(sampler, verify_logits.shape[0])
+        return mtplx_ext._ext.verify_sampled(
+            verify_logits, draft_logits, tokens, uniforms, params, token_counts, variant=1, stream=stream
+        )
+
+    for _ in range(5):
+        rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
+        prompt = rng.integers(0, vocab, size=4).tolist()
+        seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+        _, acc = first_two(rt, prompt, cfg, seeds[:500], mtp=True)
+        if acc > 0.2:  # a head that drafts usefully: rejection draws matter
+            break
+    with monkeypatch.context() as m:
+        m.setattr(sampled_mod, "verify_sampled", residual_from_target)
+        broken, _ = first_two(rt, prompt, cfg, seeds, mtp=True)
+    assert pair_pvalue(rt, prompt, cfg, broken) < ALPHA
+
+
+def test_stream_tokens_do_not_depend_on_batch_composition_order_or_pipelining(rng):
+    vocab = 64
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(1, 9, size=6)]
+    seeds = [int(s) for s in rng.integers(1 << 62, size=6)]
+    cfgs = [
+        SamplerConfig(temperature=float(rng.uniform(0.5, 2.0)), top_p=0.9, frequency_penalty=0.3)
+        if i % 3
+        else SamplerConfig(temperature=0.0, presence_penalty=0.5)  # greedy with penalties, in the same batch
+        for i in range(6)
+    ]
+
+    def run(order, serial=False):
+        res = mtplx_ext.generate_batched(
+            rt,
+            [prompts[i] for i in order],
+            max_new_tokens=12,
+            sampler=[cfgs[i] for i in order],
+            row_seeds=[seeds[i] for i in order],
+            serial=serial,
+        )
+        return {i: s.tokens for i, s in zip(order, res.streams)}
+
+    alone = {i: run([i])[i] for i in (0, 1, 2)}
+    full = run([0, 1, 2, 3, 4, 5])
+    shuffled = run([5, 2, 4, 0, 3, 1])
+    serial = run([1, 0, 2], serial=True)
+    for i in (0, 1, 2):
+        assert full[i] == alone[i] == shuffled[i] == serial[i]
+    assert full == shuffled
+
+
+def test_sampled_decode_rejects_bad_sampler_arguments(rng):
+    rt = mtplx_ext.init_random("qwen3", seed=1, vocab_size=32)
+    prompts = [[1, 2], [3]]
+    with pytest.raises(ValueError, match="row_seeds"):
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=SamplerConfig(), row_seeds=[1])
+    with pytest.raises(ValueError, match="sampler"):
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=[SamplerConfig()] * 3)
