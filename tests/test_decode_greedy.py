@@ -341,6 +341,30 @@ def test_pipelined_guess_of_the_next_path_is_undone_when_wrong():
         assert piped.repair_cycles == pattern.count(0)
 
 
+def test_finished_streams_take_no_part_in_the_accept_decision():
+    rng = _rng()
+    rt = _runtime("qwen3_next", rng)
+    prompts = _prompts(rng, rt.vocab_size, 2)
+    cap = int(rng.integers(6, 12))
+    refs = [reference(rt, p, cap) for p in prompts]
+    stop = refs[0][0][1]  # stream 0 ends at its second token, in cycle 1
+    if stop in refs[1][0] or stop == refs[0][0][0]:
+        pytest.skip("the stop token also occurs elsewhere")
+    head = ScriptedHead(rt, [r[0] for r in refs], prompts, "oracle", rng)
+    # Stream 0's drafts are all wrong: once it has finished, they must not
+    # trigger repairs of stream 1, whose drafts are all right.
+    head.table = mx.concatenate([(head.table[:1] + 1) % rt.vocab_size, head.table[1:]])
+    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, stop_token_ids={stop})
+    for i, s in enumerate(r.streams):
+        if not check_stream(i, s, *refs[i], {stop}, cap):
+            return  # a near tie: counts no longer predictable
+    assert r.streams[0].tokens == refs[0][0][:2]
+    # Stream 0 rejects in cycle 1 but finishes there (its second token is
+    # the stop), so no cycle repairs.
+    assert r.accepted == r.drafted - 1
+    assert r.repair_cycles == 0 and r.forwards == r.cycles
+
+
 class StateRecorder:
     """Records the recurrent state (host copies) at every [B, 2] trunk forward."""
 
