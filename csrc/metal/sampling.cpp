@@ -1,0 +1,100 @@
+// eval_gpu of SampleTokens and VerifySampled: one threadgroup per stream
+// (metal/sampling.h). Absent optional inputs are bound to a filler buffer
+// that the kernels never read (the flags say so).
+#include <algorithm>
+#include <string>
+
+#include "metal/device.h"
+#include "sampling_primitives.h"
+
+namespace mtplx {
+
+namespace {
+
+// Threads per stream: the kernels make many passes over the row, so use the
+// widest threadgroup the pipeline allows (a multiple of 32, <= 1024).
+int sampling_threads(int vocab, int max_threads) {
+  int cap = std::min(max_threads, 1024) / 32 * 32;
+  int want = (vocab + 31) / 32 * 32;
+  return std::max(32, std::min(cap, want));
+}
+
+std::string sampling_kernel(
+    const char* op,
+    mx::Dtype logits,
+    mx::Dtype tokens) {
+  std::string d = logits == mx::float32
+      ? "float32"
+      : (logits == mx::float16 ? "float16" : "bfloat16");
+  return std::string(op) + "_" + d + (tokens == mx::int64 ? "_int64" : "_int32");
+}
+
+} // namespace
+
+void SampleTokens::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& logits = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int B = logits.shape(0);
+  const int V = logits.shape(1);
+  const mx::array* counts = has_counts_ ? &inputs[3] : nullptr;
+  const mx::array* extra = has_extra_ ? &inputs[has_counts_ ? 4 : 3] : nullptr;
+  const int has_counts = counts ? 1 : 0;
+  const int n_extra = extra ? extra->shape(1) : 0;
+
+  auto& s = stream();
+  auto& d = mx::metal::device(s.device);
+  auto* kernel = metal::get_kernel(
+      d,
+      sampling_kernel(
+          "sample_tokens", logits.dtype(), extra ? extra->dtype() : mx::int32));
+  const int threads =
+      sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(kernel);
+  enc.set_input_array(logits, 0);
+  enc.set_input_array(inputs[1], 1);
+  enc.set_input_array(inputs[2], 2);
+  enc.set_input_array(counts ? *counts : logits, 3);
+  enc.set_input_array(extra ? *extra : logits, 4);
+  enc.set_output_array(out, 5);
+  enc.set_bytes(V, 6);
+  enc.set_bytes(has_counts, 7);
+  enc.set_bytes(n_extra, 8);
+  enc.dispatch_threadgroups(MTL::Size(B, 1, 1), MTL::Size(threads, 1, 1));
+}
+
+void VerifySampled::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& vl = inputs[0];
+  auto& tokens = inputs[2];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  const int B = vl.shape(0);
+  const int V = vl.shape(2);
+  const int has_counts = has_counts_ ? 1 : 0;
+  const int variant = static_cast<int>(variant_);
+
+  auto& s = stream();
+  auto& d = mx::metal::device(s.device);
+  auto* kernel = metal::get_kernel(
+      d, sampling_kernel("verify_sampled", vl.dtype(), tokens.dtype()));
+  const int threads =
+      sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
+  auto& enc = mx::metal::get_command_encoder(s);
+  enc.set_compute_pipeline_state(kernel);
+  enc.set_input_array(vl, 0);
+  enc.set_input_array(inputs[1], 1);
+  enc.set_input_array(tokens, 2);
+  enc.set_input_array(inputs[3], 3);
+  enc.set_input_array(inputs[4], 4);
+  enc.set_input_array(has_counts_ ? inputs[5] : vl, 5);
+  enc.set_output_array(out, 6);
+  enc.set_bytes(V, 7);
+  enc.set_bytes(has_counts, 8);
+  enc.set_bytes(variant, 9);
+  enc.dispatch_threadgroups(MTL::Size(B, 1, 1), MTL::Size(threads, 1, 1));
+}
+
+} // namespace mtplx
