@@ -41,8 +41,6 @@ COVERED_ELSEWHERE = {
     "sample_tokens_*": "test_sampling_fused.py",
     "verify_sampled_*": "test_sampling_fused.py",
 }
-# The sampling kernels' emulator tests live in tests/test_sampling_fused.py.
-COVERED |= {f"{op}_{d}_{t}" for op in ("sample_tokens", "verify_sampled") for d in LOGIT_DTYPES for t in TOKEN_DTYPES}
 
 
 @pytest.fixture(scope="session")
