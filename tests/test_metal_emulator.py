@@ -484,3 +484,18 @@ def test_host_sized_threadgroup_memory(emu, rng):
 def test_threads_at_different_barriers_are_reported(emu):
     with pytest.raises(EmulatorError, match="different threadgroup barriers"):
         emu.launch("probe/split_barrier_probe", (1,), 32, [np.zeros(32, np.int32)])
+
+
+def test_sampling_kernel_missing_barrier_is_reported_as_a_race(emu, rng):
+    from mtplx_ext.sampling import SamplerConfig, pack_params
+
+    B, V = 2, 500
+    logits = rng.standard_normal((B, V)).astype(np.float32)
+    params = pack_params(SamplerConfig(temperature=0.8, top_p=0.9), B)
+    u = rng.random(B).astype(np.float32)
+    out = np.full(B, -7, np.int32)
+    scalar = lambda x: np.array([x], np.int32)  # noqa: E731
+    args = [logits, u, params, None, None, out, scalar(V), scalar(0), scalar(0)]
+    emu.launch("sample_tokens_float32_int32", (B,), 256, args)  # the real one runs clean
+    with pytest.raises(EmulatorError, match="race|uninitialised"):
+        emu.launch("broken/sampling_missing_barrier/sample_tokens_float32_int32", (B,), 256, args)
