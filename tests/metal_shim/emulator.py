@@ -14,6 +14,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -124,8 +125,8 @@ def build(cache_root: Path, jobs: int = 2) -> Path:
         work.rename(out)
     except OSError:  # another process finished the same build first
         shutil.rmtree(work, ignore_errors=True)
-    for old in cache_root.iterdir():  # builds of older inputs
-        if old != out and not old.name.startswith("tmp-"):
+    for old in cache_root.iterdir():  # builds of older inputs, not in use
+        if old != out and time.time() - old.stat().st_mtime > 3600:
             shutil.rmtree(old, ignore_errors=True)
     return lib
 
