@@ -147,7 +147,7 @@ def reference_cycle(vl, dl, x0, d, cfg, u, counts, tol: float = TOL):
         return True, d, sample_from(p1, ub), amb
     r = np.maximum(p - q, 0.0)
     if r.sum() > 0:
-        amb |= r.sum() < tol or cdf_ambiguous(r, ur, tol) or bool(np.any((r > 0) & (r < tol)))
+        amb |= r.sum() < tol or cdf_ambiguous(r, ur, tol)
         return False, sample_from(r, ur), -1, amb
     return False, sample_from(p, ur), -1, amb or cdf_ambiguous(p, ur, tol)
 
