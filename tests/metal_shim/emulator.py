@@ -80,6 +80,7 @@ def build(cache_root: Path, jobs: int = 2) -> Path:
     out = cache_root / _inputs_digest(cxx)
     lib = out / LIB_NAME
     if lib.exists():
+        os.utime(out)  # in use: keep it from being pruned
         return lib
     work = cache_root / f"tmp-{os.getpid()}"
     shutil.rmtree(work, ignore_errors=True)
