@@ -461,7 +461,8 @@ def test_half_and_bfloat_conversions_are_exact(emu, rng):
         -30, 20, n
     ).astype(np.float32)
     f[:4] = [np.inf, -np.inf, 0.0, -0.0]
-    outs = [np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.uint16), np.empty(n, np.uint16)]
+    outs = [np.empty(n, np.float32), np.empty(n, np.float32)]
+    outs += [np.empty(n, np.uint16), np.empty(n, np.uint16)]
     emu.launch("probe/convert_probe", (n // 1024,), 1024, [bits, bits, f, *outs])
     h = bits.view(np.float16)
     np.testing.assert_array_equal(outs[0], h.astype(np.float32))

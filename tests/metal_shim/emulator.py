@@ -2,8 +2,8 @@
 
 The emulator library holds every kernel of ``metal/*.metal`` (translated by
 metal2cpp.py, compiled as C++ against metal_shim.h) plus the deliberately
-broken fixtures of ``broken/`` and the self-test kernels of ``probes/``, the fiber runtime and the primitives' host
-launch plans. Kernels are looked up by their Metal host name; fixture kernels
+broken fixtures of ``broken/``, the self-test kernels of ``probes/``, the
+fiber runtime and the primitives' host launch plans. Kernels are looked up by their Metal host name; fixture kernels
 are named ``broken/<fixture>/<host name>``, probes ``probe/<name>``.
 """
 

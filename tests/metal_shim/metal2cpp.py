@@ -277,7 +277,9 @@ def translate(path: Path, include_dirs: list[Path], prefix: str = "") -> tuple[s
     tu = re.sub(r"\W", "_", prefix + path.stem)
     regs = []
     for i, k in enumerate(kernels):
-        fn = f"&{k.function}<{k.template_args}>" if k.template_args is not None else f"&{k.function}"
+        fn = f"&{k.function}"
+        if k.template_args is not None:
+            fn += f"<{k.template_args}>"
         binds = ", ".join(b.cpp() for b in k.bindings)
         regs.append(
             f'static ::metal_emu::Registrar memu_reg_{i}("{k.host_name}", '
