@@ -140,7 +140,8 @@ inline SamplerRow sampler_row(const device float* p) {
   s.presence = isfinite(pr) ? pr : 0.0f;
   s.frequency = isfinite(fr) ? fr : 0.0f;
   s.repetition = (isfinite(rp) && rp > 0.0f) ? rp : 1.0f;
-  s.penalties = s.presence != 0.0f || s.frequency != 0.0f || s.repetition != 1.0f;
+  s.penalties =
+      s.presence != 0.0f || s.frequency != 0.0f || s.repetition != 1.0f;
   return s;
 }
 
@@ -198,7 +199,8 @@ inline float weight_at(LogitRow<K> r, SamplerRow s, DistCut d, int i) {
     return i == d.arg ? 1.0f : 0.0f;
   }
   int k = z_key(z);
-  if (!before_cut(k, i, d.k_key, d.k_idx) || !before_cut(k, i, d.p_key, d.p_idx)) {
+  if (!before_cut(k, i, d.k_key, d.k_idx) ||
+      !before_cut(k, i, d.p_key, d.p_idx)) {
     return 0.0f;
   }
   float e = exp(z - d.zmax);
@@ -515,16 +517,19 @@ template <typename K, typename TokT>
     if (accepts_draft<float>(ua, qd, pd)) {
       accept = 1;
       second = draft;
-      bonus = draw_token<K>(r1, s, p1, r1, s, p1, false, u[kUniformBonus], V, c);
+      bonus = draw_token<K>(
+          r1, s, p1, r1, s, p1, false, u[kUniformBonus], V, c);
     } else {
       accept = 0;
       bool from_target = variant == 1;
       if (!from_target) {
-        second = draw_token<K>(rp, sp, p, rq, sq, q, true, u[kUniformResample], V, c);
+        second = draw_token<K>(
+            rp, sp, p, rq, sq, q, true, u[kUniformResample], V, c);
       }
       if (from_target || second == kInvalid) {
         // No residual mass (p == q up to rounding): draw from p.
-        second = draw_token<K>(rp, sp, p, rp, sp, p, false, u[kUniformResample], V, c);
+        second = draw_token<K>(
+            rp, sp, p, rp, sp, p, false, u[kUniformResample], V, c);
       }
     }
   }

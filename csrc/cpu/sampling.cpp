@@ -287,7 +287,15 @@ class RadixSelect {
     while (true) {
       if (lo == hi || cn <= 32) {
         return finish(
-            mode, rank, target, cur, cn, lo == hi, before, mass_before, narrowed);
+            mode,
+            rank,
+            target,
+            cur,
+            cn,
+            lo == hi,
+            before,
+            mass_before,
+            narrowed);
       }
       const int shift = std::max(0, 64 - std::countl_zero(lo ^ hi) - kBits);
       const uint64_t base = lo >> shift;
@@ -650,7 +658,8 @@ int RowDistBuilder::sparse_top_k(
     }
     for (int64_t e : {extra0, extra1}) {
       if (e >= 0 && e < V) {
-        seen_.insert(std::lower_bound(seen_.begin(), seen_.end(), int(e)), int(e));
+        auto at = std::lower_bound(seen_.begin(), seen_.end(), int(e));
+        seen_.insert(at, int(e));
       }
     }
     seen_.erase(std::unique(seen_.begin(), seen_.end()), seen_.end());
@@ -687,7 +696,8 @@ int RowDistBuilder::sparse_top_k(
     const int tok = idx[j];
     double l = logit_at(logits, dtype, tok);
     if (penalised) {
-      int c = (counts ? counts[tok] : 0) + int(tok == extra0) + int(tok == extra1);
+      int c = (counts ? counts[tok] : 0) + int(tok == extra0) +
+          int(tok == extra1);
       l = penalised_logit<double>(l, c, s.presence, s.frequency, s.repetition);
     }
     z[j] = l / t;
@@ -807,13 +817,34 @@ bool RowDistBuilder::build(
     ZRange r;
     if (dtype == mx::float32) {
       r = transform_f32(
-          static_cast<const uint32_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+          static_cast<const uint32_t*>(logits),
+          V,
+          counts,
+          extra0,
+          extra1,
+          sp,
+          t,
+          z);
     } else if (dtype == mx::float16) {
       r = transform_f16(
-          static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+          static_cast<const uint16_t*>(logits),
+          V,
+          counts,
+          extra0,
+          extra1,
+          sp,
+          t,
+          z);
     } else {
       r = transform_bf16(
-          static_cast<const uint16_t*>(logits), V, counts, extra0, extra1, sp, t, z);
+          static_cast<const uint16_t*>(logits),
+          V,
+          counts,
+          extra0,
+          extra1,
+          sp,
+          t,
+          z);
     }
     zmax = r.max;
   }
@@ -1103,7 +1134,8 @@ void VerifySampled::eval_cpu(
         continue;
       }
       const int32_t* c = counts ? counts + size_t(b) * V : nullptr;
-      const auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
+      const auto s =
+          cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
       auto sp = s, sq = s;
       if (variant == SamplingVariant::kTopPOnlyAtBonus) {
         sp.top_p = sq.top_p = 1.0;
@@ -1119,7 +1151,8 @@ void VerifySampled::eval_cpu(
       }
       const double pd = p.weight_of(int(d)) / p.total;
       const double qd = q.weight_of(int(d)) / q.total;
-      const double ua = uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
+      const double ua =
+          uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
       const double ur =
           uniform_at(u, size_t(b) * kUniformCols + kUniformResample);
       if (accepts_draft<double>(ua, qd, pd)) {

@@ -26,7 +26,8 @@ std::string sampling_kernel(
   std::string d = logits == mx::float32
       ? "float32"
       : (logits == mx::float16 ? "float16" : "bfloat16");
-  return std::string(op) + "_" + d + (tokens == mx::int64 ? "_int64" : "_int32");
+  return std::string(op) + "_" + d +
+      (tokens == mx::int64 ? "_int64" : "_int32");
 }
 
 } // namespace
