@@ -413,10 +413,10 @@ def test_bad_arguments_raise_naming_the_argument(rng):
 
 # ---------------------------------------------------------------------------
 # The Metal kernels (metal/sampling.h), run on the CPU by the test suite's
-# threadgroup emulator: float32 arithmetic, so rows within 1e-4 of a decision
-# boundary (or with near-tied transformed logits) are left out.
+# threadgroup emulator: float32 arithmetic, so rows within 2e-5 of a decision
+# boundary (or with near-tied transformed logits at a cut) are left out.
 
-TOL_F32 = 1e-4
+TOL_F32 = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -443,7 +443,7 @@ def _bits(a: mx.array) -> np.ndarray:
 def test_metal_kernels_match_the_reference_on_the_emulator(rng, emu, dtype, threads, tok):
     compared = skipped = 0
     for V in (37, 300):
-        B = 8
+        B = 12
         cfgs = [random_config(rng, V) for _ in range(B)]
         params = pack_params(cfgs, B)
         counts = random_counts(rng, B, V)
@@ -499,4 +499,4 @@ def test_metal_kernels_match_the_reference_on_the_emulator(rng, emu, dtype, thre
                 continue
             compared += 1
             assert (bundle[b, 3], bundle[b, 2], bundle[b, 4]) == (int(acc), second, bonus), (V, b, cfgs[b])
-    assert skipped <= 0.2 * (compared + skipped)
+    assert skipped <= 0.25 * (compared + skipped)
