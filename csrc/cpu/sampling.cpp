@@ -1130,7 +1130,7 @@ void VerifySampled::eval_cpu(
       const char* v0 = vbase + (size_t(b) * 2) * rb;
       const char* v1 = v0 + rb;
       const char* dr = dbase + size_t(b) * rb;
-      if (!x0_ok || !d_ok || !cpu::row_valid(v1, dt, V)) {
+      if (!x0_ok || !d_ok) {
         continue;
       }
       const int32_t* c = counts ? counts + size_t(b) * V : nullptr;
@@ -1155,14 +1155,18 @@ void VerifySampled::eval_cpu(
           uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
       const double ur =
           uniform_at(u, size_t(b) * kUniformCols + kUniformResample);
+      // The bonus row must be usable too (as in verify_greedy); building
+      // its distribution checks that, so only a rejection scans it apart.
       if (accepts_draft<double>(ua, qd, pd)) {
+        cpu::RowDist p1;
+        if (!bp.build(v1, dt, c, x0, d, s, p1)) {
+          continue;
+        }
         row[kColSecond] = int32_t(d);
         row[kColAccept] = 1;
-        cpu::RowDist p1;
-        bp.build(v1, dt, c, x0, d, s, p1);
         row[kColBonus] = cpu::sample_row(
             p1, uniform_at(u, size_t(b) * kUniformCols + kUniformBonus));
-      } else {
+      } else if (cpu::row_valid(v1, dt, V)) {
         row[kColAccept] = 0;
         row[kColSecond] = variant == SamplingVariant::kResidualFromTarget
             ? cpu::sample_row(p, ur)
