@@ -3,6 +3,7 @@
 #include <string>
 
 #include "primitives.h"
+#include "sampling_primitives.h"
 
 namespace mtplx {
 
@@ -31,6 +32,14 @@ void RestoreState::eval_gpu(
     const std::vector<mx::array>&,
     std::vector<mx::array>&) {
   no_gpu_kernel("restore_state");
+}
+
+void SampleTokens::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("sample_tokens");
+}
+
+void VerifySampled::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("verify_sampled");
 }
 
 } // namespace mtplx

@@ -1,35 +1,11 @@
 #include "ops.h"
 
-#include <sstream>
-#include <stdexcept>
 #include <string>
 
-#include "mlx/ops.h"
+#include "arg_checks.h"
 #include "primitives.h"
 
 namespace mtplx {
-
-namespace {
-
-[[noreturn]] void bad_arg(const std::string& msg) {
-  throw std::invalid_argument(msg);
-}
-
-std::string shape_str(const mx::Shape& shape) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    os << (i ? ", " : "") << shape[i];
-  }
-  os << (shape.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-bool is_logit_dtype(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
-}
-
-} // namespace
 
 mx::array verify_greedy(
     const mx::array& verify_logits,
@@ -41,8 +17,7 @@ mx::array verify_greedy(
         shape_str(verify_logits.shape()));
   }
   if (!is_logit_dtype(verify_logits.dtype())) {
-    throw std::invalid_argument(
-        "verify_logits must be float32, float16 or bfloat16");
+    bad_arg("verify_logits must be float32, float16 or bfloat16");
   }
   const int B = verify_logits.shape(0);
   const int V = verify_logits.shape(2);
@@ -56,16 +31,9 @@ mx::array verify_greedy(
         "tokens must have shape [B, 2] = (" + std::to_string(B) +
         ", 2) to match verify_logits, got " + shape_str(tokens.shape()));
   }
-  if (!mx::issubdtype(tokens.dtype(), mx::integer)) {
-    bad_arg("tokens must have an integer dtype");
-  }
   auto st = mx::to_stream(s);
-  // int32 and int64 are read natively; other widths widen losslessly.
-  auto tok = (tokens.dtype() == mx::int32 || tokens.dtype() == mx::int64)
-      ? tokens
-      : mx::astype(tokens, mx::int64, st);
+  auto tok = token_ids("tokens", tokens, st);
   auto logits = mx::contiguous(verify_logits, false, st);
-  tok = mx::contiguous(tok, false, st);
   return mx::array(
       {B, 5},
       mx::int32,

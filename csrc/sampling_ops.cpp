@@ -1,9 +1,8 @@
 #include "sampling_ops.h"
 
-#include <sstream>
-#include <stdexcept>
 #include <string>
 
+#include "arg_checks.h"
 #include "mlx/ops.h"
 #include "mtplx_rules.h"
 #include "sampling_primitives.h"
@@ -12,49 +11,16 @@ namespace mtplx {
 
 namespace {
 
-[[noreturn]] void bad_arg(const std::string& msg) {
-  throw std::invalid_argument(msg);
-}
-
-std::string shape_of(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < a.ndim(); ++i) {
-    os << (i ? ", " : "") << a.shape(i);
-  }
-  os << (a.ndim() == 1 ? ",)" : ")");
-  return os.str();
-}
-
-bool is_logit_dtype(mx::Dtype t) {
-  return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
-}
-
 void require_shape(
     const char* name,
     const mx::array& a,
     const mx::Shape& want,
     const char* want_str) {
   if (a.shape() != want) {
-    std::ostringstream os;
-    os << name << " must have shape " << want_str << " = (";
-    for (size_t i = 0; i < want.size(); ++i) {
-      os << (i ? ", " : "") << want[i];
-    }
-    os << (want.size() == 1 ? ",)" : ")") << ", got " << shape_of(a);
-    bad_arg(os.str());
+    bad_arg(
+        std::string(name) + " must have shape " + want_str + " = " +
+        shape_str(want) + ", got " + shape_str(a.shape()));
   }
-}
-
-// Token ids are read as int32 or int64; narrower ints widen losslessly.
-mx::array token_ids(const char* name, const mx::array& a, mx::Stream st) {
-  if (!mx::issubdtype(a.dtype(), mx::integer)) {
-    bad_arg(std::string(name) + " must have an integer dtype");
-  }
-  auto t = (a.dtype() == mx::int32 || a.dtype() == mx::int64)
-      ? a
-      : mx::astype(a, mx::int64, st);
-  return mx::contiguous(t, false, st);
 }
 
 mx::array float_input(const char* name, const mx::array& a, mx::Stream st) {
@@ -84,7 +50,7 @@ mx::array sample_tokens(
     const std::optional<mx::array>& extra_tokens,
     mx::StreamOrDevice s) {
   if (logits.ndim() != 2) {
-    bad_arg("logits must have shape [B, V], got " + shape_of(logits));
+    bad_arg("logits must have shape [B, V], got " + shape_str(logits.shape()));
   }
   if (!is_logit_dtype(logits.dtype())) {
     bad_arg("logits must be float32, float16 or bfloat16");
@@ -92,7 +58,7 @@ mx::array sample_tokens(
   const int B = logits.shape(0);
   const int V = logits.shape(1);
   if (B < 1 || V < 1) {
-    bad_arg("logits must have B >= 1 and V >= 1, got " + shape_of(logits));
+    bad_arg("logits must have B >= 1 and V >= 1, got " + shape_str(logits.shape()));
   }
   require_shape("uniforms", uniforms, {B}, "[B]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
@@ -109,7 +75,7 @@ mx::array sample_tokens(
     if (e.ndim() != 2 || e.shape(0) != B || e.shape(1) > 2) {
       bad_arg(
           "extra_tokens must have shape [B, E] with B = " + std::to_string(B) +
-          " and E <= 2, got " + shape_of(e));
+          " and E <= 2, got " + shape_str(e.shape()));
     }
     inputs.push_back(token_ids("extra_tokens", e, st));
   }
@@ -143,7 +109,7 @@ mx::array verify_sampled(
   if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
     bad_arg(
         "verify_logits must have shape [B, 2, V], got " +
-        shape_of(verify_logits));
+        shape_str(verify_logits.shape()));
   }
   if (!is_logit_dtype(verify_logits.dtype())) {
     bad_arg("verify_logits must be float32, float16 or bfloat16");
@@ -153,7 +119,7 @@ mx::array verify_sampled(
   if (B < 1 || V < 1) {
     bad_arg(
         "verify_logits must have B >= 1 and V >= 1, got " +
-        shape_of(verify_logits));
+        shape_str(verify_logits.shape()));
   }
   require_shape("draft_logits", draft_logits, {B, V}, "[B, V]");
   if (draft_logits.dtype() != verify_logits.dtype()) {
