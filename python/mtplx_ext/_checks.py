@@ -26,11 +26,18 @@ def require_logits(name: str, value: object, ndim: int) -> mx.array:
     return a
 
 
-def require_int_tokens(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
-    """Checks an integer token array of exactly `shape`."""
+def require_kind(
+    name: str, value: object, shape: tuple[int, ...], kind: mx.DtypeCategory, what: str
+) -> mx.array:
+    """Checks an array of exactly `shape` whose dtype is of `kind` (e.g. mx.integer)."""
     a = require_array(name, value)
-    if not mx.issubdtype(a.dtype, mx.integer):
-        raise TypeError(f"{name} must have an integer dtype, got {a.dtype}")
+    if not mx.issubdtype(a.dtype, kind):
+        raise TypeError(f"{name} must have {what} dtype, got {a.dtype}")
     if tuple(a.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
     return a
+
+
+def require_int_tokens(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
+    """Checks an integer token array of exactly `shape`."""
+    return require_kind(name, value, shape, mx.integer, "an integer")

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext import _ext
-from mtplx_ext._checks import require_array, require_int_tokens, require_logits
+from mtplx_ext._checks import require_array, require_int_tokens, require_kind, require_logits
 from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
 
 SamplerArg = SamplerConfig | Sequence[SamplerConfig] | mx.array
@@ -42,23 +42,11 @@ def sampler_params(sampler: SamplerArg, batch: int) -> mx.array:
 
 
 def _uniforms(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
-    a = require_array(name, value)
-    if not mx.issubdtype(a.dtype, mx.floating):
-        raise TypeError(f"{name} must be a float array, got {a.dtype}")
-    if tuple(a.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(a.shape)}")
-    return a
+    return require_kind(name, value, shape, mx.floating, "a floating")
 
 
 def _counts(value: object | None, shape: tuple[int, int]) -> mx.array | None:
-    if value is None:
-        return None
-    a = require_array("token_counts", value)
-    if not mx.issubdtype(a.dtype, mx.integer):
-        raise TypeError(f"token_counts must have an integer dtype, got {a.dtype}")
-    if tuple(a.shape) != shape:
-        raise ValueError(f"token_counts must have shape {shape}, got {tuple(a.shape)}")
-    return a
+    return None if value is None else require_int_tokens("token_counts", value, shape)
 
 
 def sample_tokens(
