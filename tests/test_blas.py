@@ -96,10 +96,17 @@ def _within_gemm_error(got: np.ndarray, a: np.ndarray, b: np.ndarray, eps: float
     return bool(np.all(np.abs(got - exact) <= 2 * bound + 1e-30))
 
 
-def test_openblas_and_reference_matmuls_agree_within_float_rounding(tmp_path):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """The same fresh random matmuls with MTPLX_BLAS=auto and =reference."""
+    tmp = tmp_path_factory.mktemp("blas")
     seed = int(np.random.default_rng().integers(1 << 31))
-    fast_info, fast = _matmuls(tmp_path, seed, "openblas")
-    ref_info, ref = _matmuls(tmp_path, seed, "reference")
+    return {mode: _matmuls(tmp, seed, mode) for mode in ("auto", "reference")}
+
+
+def test_openblas_and_reference_matmuls_agree_within_float_rounding(runs):
+    fast_info, fast = runs["auto"]
+    ref_info, ref = runs["reference"]
     if not fast_info["active"]:
         pytest.skip(f"OpenBLAS route unavailable here: {fast_info['reason']}")
     assert not ref_info["active"]
@@ -116,9 +123,8 @@ def test_openblas_and_reference_matmuls_agree_within_float_rounding(tmp_path):
         assert fast[key].shape == ref[key].shape and fast[key].dtype == ref[key].dtype
 
 
-def test_openblas_route_is_actually_called_by_mlx_when_enabled(tmp_path):
-    seed = int(np.random.default_rng().integers(1 << 31))
-    info, _ = _matmuls(tmp_path, seed, "auto")
+def test_openblas_route_is_actually_called_by_mlx_when_enabled(runs):
+    info, _ = runs["auto"]
     if info["reason"].startswith("the scipy-openblas32 package is not installed"):
         pytest.skip(info["reason"])
     assert info["active"] and info["name"] == "openblas", info
@@ -127,9 +133,8 @@ def test_openblas_route_is_actually_called_by_mlx_when_enabled(tmp_path):
     assert info["calls_after"] - info["calls_before"] >= 5
 
 
-def test_reference_mode_leaves_mlx_on_its_bundled_blas(tmp_path):
-    seed = int(np.random.default_rng().integers(1 << 31))
-    info, _ = _matmuls(tmp_path, seed, "reference")
+def test_reference_mode_leaves_mlx_on_its_bundled_blas(runs):
+    info, _ = runs["reference"]
     assert info["name"] == "reference" and not info["active"]
     assert "MTPLX_BLAS=reference" in info["reason"]
     assert info["calls_after"] == -1  # the shim was never loaded

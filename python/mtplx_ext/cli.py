@@ -37,7 +37,7 @@ BENCH_PROMPTS = (
     "    if not isinstance(",
     "class Error(Exception):\n",
 )
-DEFAULT_PROMPT = "def fibonacci(n):\n"
+DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main("
 
 
 class CLIError(Exception):

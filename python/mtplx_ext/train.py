@@ -54,13 +54,13 @@ def stdlib_files(root: Path | None = None) -> list[Path]:
     """Python source files of the standard library, sorted by relative path."""
     root = root or stdlib_root()
     files = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        if any(part in _SKIP_DIRS for part in rel.parts[:-1]):
-            continue
-        if rel.name.startswith("_sysconfigdata"):
-            continue  # machine-specific build settings
-        files.append(p)
+    # os.walk with pruning: site-packages alone can hold far more files than the stdlib.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+        for name in filenames:
+            # _sysconfigdata*: machine-specific build settings, not library code.
+            if name.endswith(".py") and not name.startswith("_sysconfigdata"):
+                files.append(Path(dirpath) / name)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 

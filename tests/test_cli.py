@@ -1,0 +1,148 @@
+"""The `mtplx-ext` command on the shipped model: short runs and clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import mtplx_ext
+from mtplx_ext import cli
+
+PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+
+
+def _random_prompt(rng: random.Random) -> str:
+    name = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 8)))
+    return rng.choice(["def {}(self, ", "class {}:\n    ", "    {} = ", "import {}\n"]).format(name)
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "mtplx_ext.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_generate_command_streams_the_committed_text_and_reports_stats():
+    prompt = _random_prompt(random.Random())
+    p = _run_cli("generate", prompt, "--max-tokens", "12")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(prompt)
+    rt = mtplx_ext.load(cli.SHIPPED_MODEL)
+    ids = rt.tokenizer.encode(prompt).ids
+    eos = rt.tokenizer.token_to_id(cli.EOS)
+    res = mtplx_ext.generate_greedy_batched(rt, [ids], max_new_tokens=12, stop_token_ids=[eos])
+    # What streamed is exactly the decode of what the loop committed.
+    assert p.stdout == prompt + rt.tokenizer.decode(res.streams[0].tokens) + "\n"
+    for word in ("tokens/s", "acceptance", "forwards/token", "BLAS openblas" if sys.platform.startswith("linux") else "BLAS"):
+        assert word in p.stderr
+
+
+def test_generate_decodes_several_prompts_as_one_batch(capsys):
+    rng = random.Random()
+    prompts = [_random_prompt(rng) for _ in range(3)]
+    assert cli.main(["generate", *prompts, "--max-tokens", "10"]) == 0
+    out, err = capsys.readouterr()
+    for i, p in enumerate(prompts):
+        assert f"[{i}] prompt: {p!r}" in out
+    assert "batch 3" in err
+
+
+def test_generate_no_mtp_reports_plain_decoding(capsys):
+    assert cli.main(["generate", _random_prompt(random.Random()), "--max-tokens", "6", "--no-mtp"]) == 0
+    _, err = capsys.readouterr()
+    assert "plain decoding" in err
+
+
+def test_bench_reports_every_method_at_every_batch(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = cli.main(["bench", "--batch", "1,2", "--tokens", "16", "--repeats", "1", "--json", str(out), "--no-progress"])
+    assert code == 0
+    table, _ = capsys.readouterr()
+    report = json.loads(out.read_text())
+    got = {(r["batch"], r["method"]) for r in report["rows"]}
+    assert got == {(b, m) for b in (1, 2) for m in cli.METHODS}
+    for r in report["rows"]:
+        assert r["tokens_per_s"] > 0
+        assert f"| {r['batch']} | {r['method']} |" in table
+        if r["method"] == "mtp":
+            assert 0.0 <= r["acceptance_rate"] <= 1.0
+            assert r["forwards_per_token"] > 0
+    plain = [r for r in report["rows"] if r["method"] == "plain"]
+    assert all(r["ratio_to_plain"] == pytest.approx(1.0) for r in plain)
+    assert report["versions"]["blas"] and "BLAS:" in table
+
+
+def test_bench_plot_is_written_or_skipped_with_a_message(tmp_path, capsys):
+    png = tmp_path / "bench.png"
+    assert cli.main(["bench", "--batch", "1", "--tokens", "4", "--repeats", "1", "--plot", str(png), "--no-progress"]) == 0
+    _, err = capsys.readouterr()
+    if png.exists():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "--plot skipped" in err
+
+
+def test_missing_model_folder_is_a_one_line_error(tmp_path, capsys):
+    missing = tmp_path / "no_such_model"
+    assert cli.main(["generate", "x", "--model", str(missing)]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and str(missing) in err and "does not exist" in err
+
+
+def test_folder_without_mtp_weights_is_a_one_line_error_naming_no_mtp(tmp_path, capsys):
+    rt = mtplx_ext.load(cli.SHIPPED_MODEL)
+    cfg = {k: rt.config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "intermediate_size", "head_dim")}
+    plain = mtplx_ext.init_random("qwen3", random.randrange(1 << 30), head_layout=None, **cfg)
+    folder = tmp_path / "trunk_only"
+    plain.save(folder)
+    shutil.copy(cli.SHIPPED_MODEL / "tokenizer.json", folder / "tokenizer.json")
+    for cmd in (["generate", "x"], ["bench", "--tokens", "2"]):
+        assert cli.main([*cmd, "--model", str(folder)]) == 2
+        _, err = capsys.readouterr()
+        assert err.count("\n") == 1 and "no MTP head weights" in err
+    # The same folder decodes plainly.
+    assert cli.main(["generate", "x", "--model", str(folder), "--max-tokens", "3", "--no-mtp"]) == 0
+
+
+def test_folder_without_weights_or_config_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["generate", "--model", str(tmp_path / "empty")]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "config.json" in err
+    shutil.copy(cli.SHIPPED_MODEL / "config.json", tmp_path / "empty" / "config.json")
+    assert cli.main(["generate", "--model", str(tmp_path / "empty")]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "safetensors" in err
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["bench", "--batch", "1,x"], "--batch"),
+        (["bench", "--batch", "0"], "--batch"),
+        (["bench", "--tokens", "-3"], "--tokens"),
+        (["bench", "--repeats", "0"], "--repeats"),
+        (["generate", "--max-tokens", "0"], "--max-tokens"),
+        (["generate", "--top-p", "1.5"], "--top-p"),
+        (["generate", "--top-k", "-1"], "--top-k"),
+        (["generate", "--temperature", "-0.1"], "--temperature"),
+        (["generate", "--bogus"], "--bogus"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    _, err = capsys.readouterr()
+    assert flag in err.splitlines()[-1]
