@@ -82,9 +82,9 @@ def _run(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
-def _matmuls(tmp_path: Path, seed: int, mode: str) -> tuple[dict, dict]:
+def _matmuls(tmp_path: Path, seed: int, mode: str, **env: str) -> tuple[dict, dict]:
     out = tmp_path / f"{mode}.npz"
-    p = _run(_MATMULS, str(seed), str(out), MTPLX_BLAS=mode)
+    p = _run(_MATMULS, str(seed), str(out), MTPLX_BLAS=mode, **env)
     assert p.returncode == 0, p.stderr
     return json.loads(p.stdout.strip().splitlines()[-1]), dict(np.load(out))
 
@@ -97,11 +97,15 @@ def _within_gemm_error(got: np.ndarray, a: np.ndarray, b: np.ndarray, eps: float
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+def runs(tmp_path_factory) -> dict:
     """The same fresh random matmuls with MTPLX_BLAS=auto and =reference."""
     tmp = tmp_path_factory.mktemp("blas")
-    seed = int(np.random.default_rng().integers(1 << 31))
-    return {mode: _matmuls(tmp, seed, mode) for mode in ("auto", "reference")}
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 31))
+    threads = str(int(rng.integers(1, 4)))
+    runs = {mode: _matmuls(tmp, seed, mode, MTPLX_BLAS_THREADS=threads) for mode in ("auto", "reference")}
+    runs["threads"] = int(threads)
+    return runs
 
 
 def test_openblas_and_reference_matmuls_agree_within_float_rounding(runs):
@@ -128,7 +132,7 @@ def test_openblas_route_is_actually_called_by_mlx_when_enabled(runs):
     if info["reason"].startswith("the scipy-openblas32 package is not installed"):
         pytest.skip(info["reason"])
     assert info["active"] and info["name"] == "openblas", info
-    assert info["threads"] >= 1
+    assert info["threads"] == runs["threads"]  # MTPLX_BLAS_THREADS is applied
     # Five GEMM-backed matmuls ran (f32 x3, f64, c64); each went through the shim.
     assert info["calls_after"] - info["calls_before"] >= 5
 
