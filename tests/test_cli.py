@@ -16,7 +16,9 @@ import pytest
 import mtplx_ext
 from mtplx_ext import cli
 
-PYTHON_DIR = str(Path(__file__).resolve().parents[1] / "python")
+# The subprocess imports the same mtplx_ext as this process: the installed
+# package in CI, the source tree under PYTHONPATH=python in development.
+PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parents[1])
 
 
 def _random_prompt(rng: random.Random) -> str:
