@@ -438,7 +438,7 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 @pytest.mark.parametrize("tok", ["int32", "int64"])
-@pytest.mark.parametrize("threads", [32, 64])
+@pytest.mark.parametrize("threads", [32, 64, 256, 1024])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_metal_kernels_match_the_reference_on_the_emulator(rng, emu, dtype, threads, tok):
     compared = skipped = 0
