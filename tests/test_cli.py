@@ -148,3 +148,14 @@ def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
     assert e.value.code == 2
     _, err = capsys.readouterr()
     assert flag in err.splitlines()[-1]
+
+
+def test_sampled_generate_is_reproducible_for_a_seed(capsys):
+    rng = random.Random()
+    argv = ["generate", _random_prompt(rng), "--max-tokens", "12", "--temperature", "0.8",
+            "--top-p", "0.95", "--top-k", "50", "--seed", str(rng.randrange(1 << 30))]
+    outs = []
+    for _ in range(2):
+        assert cli.main(argv) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1]
