@@ -31,6 +31,23 @@ inline bool is_logit_dtype(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
+// The verification forward's logits: [B, 2, V] with B, V >= 1, a logit dtype.
+inline void check_verify_logits(const mx::array& verify_logits) {
+  if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
+    bad_arg(
+        "verify_logits must have shape [B, 2, V], got " +
+        shape_str(verify_logits.shape()));
+  }
+  if (!is_logit_dtype(verify_logits.dtype())) {
+    bad_arg("verify_logits must be float32, float16 or bfloat16");
+  }
+  if (verify_logits.shape(0) < 1 || verify_logits.shape(2) < 1) {
+    bad_arg(
+        "verify_logits must have B >= 1 and V >= 1, got " +
+        shape_str(verify_logits.shape()));
+  }
+}
+
 // Token ids are read as int32 or int64; narrower ints widen losslessly, so no
 // id can wrap into the vocabulary.
 inline mx::array

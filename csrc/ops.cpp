@@ -11,21 +11,9 @@ mx::array verify_greedy(
     const mx::array& verify_logits,
     const mx::array& tokens,
     mx::StreamOrDevice s) {
-  if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
-    bad_arg(
-        "verify_logits must have shape [B, 2, V], got " +
-        shape_str(verify_logits.shape()));
-  }
-  if (!is_logit_dtype(verify_logits.dtype())) {
-    bad_arg("verify_logits must be float32, float16 or bfloat16");
-  }
+  check_verify_logits(verify_logits);
   const int B = verify_logits.shape(0);
   const int V = verify_logits.shape(2);
-  if (B < 1 || V < 1) {
-    bad_arg(
-        "verify_logits must have B >= 1 and V >= 1, got " +
-        shape_str(verify_logits.shape()));
-  }
   if (tokens.ndim() != 2 || tokens.shape(0) != B || tokens.shape(1) != 2) {
     bad_arg(
         "tokens must have shape [B, 2] = (" + std::to_string(B) +

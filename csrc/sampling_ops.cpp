@@ -106,21 +106,9 @@ mx::array verify_sampled(
     const std::optional<mx::array>& token_counts,
     int variant,
     mx::StreamOrDevice s) {
-  if (verify_logits.ndim() != 3 || verify_logits.shape(1) != 2) {
-    bad_arg(
-        "verify_logits must have shape [B, 2, V], got " +
-        shape_str(verify_logits.shape()));
-  }
-  if (!is_logit_dtype(verify_logits.dtype())) {
-    bad_arg("verify_logits must be float32, float16 or bfloat16");
-  }
+  check_verify_logits(verify_logits);
   const int B = verify_logits.shape(0);
   const int V = verify_logits.shape(2);
-  if (B < 1 || V < 1) {
-    bad_arg(
-        "verify_logits must have B >= 1 and V >= 1, got " +
-        shape_str(verify_logits.shape()));
-  }
   require_shape("draft_logits", draft_logits, {B, V}, "[B, V]");
   if (draft_logits.dtype() != verify_logits.dtype()) {
     bad_arg("draft_logits must have the dtype of verify_logits");
