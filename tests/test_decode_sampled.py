@@ -13,12 +13,12 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from scipy.stats import chi2
 
 import mtplx_ext
 import mtplx_ext.sampled as sampled_mod
 from mtplx_ext import SamplerConfig
 from mtplx_ext.sampling import counts_with, distribution_from_logits
+from _stats import g_test_pvalue
 
 ALPHA = 1e-3
 N = 4000
@@ -45,22 +45,6 @@ def expected_joint(rt, prompt: list[int], cfg: SamplerConfig) -> np.ndarray:
     for t1 in np.flatnonzero(p1):
         joint[t1] = p1[t1] * distribution_from_logits(last(prompt + [int(t1)]), cfg, counts_with(None, V, [t1]))
     return joint
-
-
-def g_test_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
-    """G-test p-value; 0 when a cell of probability 0 was observed."""
-    n = observed.sum()
-    if np.any(observed[expected_p == 0] > 0):
-        return 0.0
-    e = expected_p[expected_p > 0] * n
-    o = observed[expected_p > 0].astype(np.float64)
-    small = e < 5
-    if small.any():
-        e = np.append(e[~small], e[small].sum())
-        o = np.append(o[~small], o[small].sum())
-    nz = o > 0
-    g = 2.0 * np.sum(o[nz] * np.log(o[nz] / e[nz]))
-    return float(chi2.sf(g, df=len(e) - 1))
 
 
 def first_two(rt, prompt, cfg, seeds, *, mtp: bool) -> tuple[np.ndarray, float]:
