@@ -89,7 +89,11 @@ def check(model: ToyModel, cfg: SamplerConfig, seed: int, variant: int = EXACT) 
     joint, acc = model.expected(cfg)
     observed = np.bincount(x0 * model.V + second, minlength=model.V**2)
     p = g_test_pvalue(observed, joint.reshape(-1))
-    z = (accept.mean() - acc) / np.sqrt(acc * (1 - acc) / N)
+    sigma = np.sqrt(acc * (1 - acc) / N)
+    if sigma == 0:
+        # A certain outcome (q == p after the cuts): the rate must match exactly.
+        return p, 0.0 if accept.mean() == acc else float("inf")
+    z = (accept.mean() - acc) / sigma
     return p, float(z)
 
 
