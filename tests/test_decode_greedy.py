@@ -23,6 +23,15 @@ from mtplx_ext import generate_greedy_batched
 #: Top-2 gap (nats) below which a batched/single-stream argmax flip is a tie.
 TIE_TOL = 1e-4
 
+#: (trunk, reject_mode): per-stream rollback (attention-only trunk), the
+#: uniform repair of the same trunk, and the uniform repair a hybrid needs.
+MODES = [("qwen3", "repair"), ("qwen3", "reforward"), ("qwen3_next", "repair")]
+
+
+def rolls_back(model_type: str, reject_mode: str) -> bool:
+    """Whether the loop rolls streams back on their own (no repair forward)."""
+    return reject_mode == "repair" and model_type != "qwen3_next"
+
 
 def _rng() -> np.random.Generator:
     return np.random.default_rng()
@@ -99,10 +108,11 @@ def check_counters(r, mtp: bool) -> None:
 class ScriptedHead:
     """A runtime whose head drafts scripted tokens instead of its own.
 
-    The head still runs (so its cache is exercised); only the logits of the
-    last position, the ones the draft comes from, are replaced. The drafted
-    position comes from the head cache's per-row offset, on the device, so
-    the wrapper adds no host read and pipelining stays real.
+    The head still runs (so its cache is exercised); only its logits are
+    replaced, at every position (with per-stream rollback a rejecting stream
+    drafts from the first of a cycle's two positions). The drafted index
+    comes from the head cache's per-row offset, on the device, so the
+    wrapper adds no host read and pipelining stays real.
 
     Modes: "oracle" drafts the reference's token (always right), "wrong" a
     different one (always wrong), "mixed" one or the other by a fixed coin
@@ -129,17 +139,18 @@ class ScriptedHead:
 
     def head_forward(self, hidden, next_tokens, head_cache):
         logits = self.rt.head_forward(hidden, next_tokens, head_cache)
-        # The head cache's offset was advanced by T in the call above.
-        g = head_cache[0].offset + 1 - self.lengths
+        # The head cache's offset was advanced by T in the call above; head
+        # position j of the call drafts generated index offset - T + j + 2 - len.
+        T = next_tokens.shape[1]
+        g = head_cache[0].offset[:, None] - T + mx.arange(T)[None] + 2 - self.lengths[:, None]
         g = mx.clip(g, 0, self.table.shape[1] - 1)
-        want = mx.take_along_axis(self.table, g[:, None], axis=1)
-        last = (mx.arange(logits.shape[-1])[None] == want).astype(logits.dtype) * 30.0
-        return mx.concatenate([logits[:, :-1], last[:, None]], axis=1)
+        want = mx.take_along_axis(self.table, g, axis=1)
+        return (mx.arange(logits.shape[-1])[None, None] == want[..., None]).astype(logits.dtype) * 30.0 + 0 * logits
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("model_type, reject_mode", MODES)
 @pytest.mark.parametrize("B", [1, 3, 8])
-def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_type, B):
+def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_type, reject_mode, B):
     rng = _rng()
     rt = _runtime(model_type, rng)
     V = rt.vocab_size
@@ -152,8 +163,8 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
     head = ScriptedHead(rt, [r[0] for r in refs], prompts, "mixed", rng)
     runs = {
         "plain": (rt, dict(use_mtp_draft=False)),
-        "mtp_own_head": (rt, dict(use_mtp_draft=True)),
-        "mtp_mixed_head": (head, dict(use_mtp_draft=True)),
+        "mtp_own_head": (rt, dict(use_mtp_draft=True, reject_mode=reject_mode)),
+        "mtp_mixed_head": (head, dict(use_mtp_draft=True, reject_mode=reject_mode)),
     }
     for name, (runtime, kw) in runs.items():
         r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, **kw)
@@ -197,17 +208,19 @@ class HeadRecorder:
 
     def head_forward(self, hidden, next_tokens, head_cache):
         logits = self.rt.head_forward(hidden, next_tokens, head_cache)
+        T = next_tokens.shape[1]
         offset = np.array(head_cache[0].offset)  # advanced past this call's positions
-        draft = np.array(mx.argmax(logits[:, -1], axis=-1))
+        draft = np.array(mx.argmax(logits, axis=-1))
         for i, n in enumerate(self.lengths):
-            self.drafts[i, int(offset[i]) + 1 - n] = int(draft[i])
+            for j in range(T):
+                self.drafts[i, int(offset[i]) - T + j + 2 - n] = int(draft[i, j])
         self.calls += 1
         return logits
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("model_type, reject_mode", MODES)
 @pytest.mark.parametrize("chunk, serial", [(None, True), (3, True), (None, False)])
-def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, chunk, serial, monkeypatch):
+def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, reject_mode, chunk, serial, monkeypatch):
     # The head's cache must hold exactly the (hidden at t, token t + 1) pairs
     # of the committed tokens, after accepted and after repaired cycles.
     import mtplx_ext.decode as decode
@@ -222,14 +235,17 @@ def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, ch
     rec = HeadRecorder(rt, prompts)
     pattern = [1, 1, 0, 1, 0, 0, 1, 1]  # all-accept and repair cycles, both followed by both
     head = ScriptedHead(rec, refs, prompts, "pattern", rng, pattern=pattern)
-    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=serial)
-    assert 0 < r.repair_cycles < r.cycles - 2
+    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=serial, reject_mode=reject_mode)
+    if rolls_back(model_type, reject_mode):
+        assert r.repair_cycles == 0 and 0 < r.accepted < r.drafted
+    else:
+        assert 0 < r.repair_cycles < r.cycles - 2
     checked = 0
     for i, (p, s) in enumerate(zip(prompts, r.streams)):
         seq = p + s.tokens
         _, hidden = rt.forward(mx.array([seq]))
         logits = rt.head_forward(hidden[:, :-1], mx.array([seq[1:]]))[0]
-        for g in range(1, len(s.tokens), 2):  # drafted indices of the cycles
+        for g in range(1, len(s.tokens)):  # every committed index the head ran for
             t = len(p) + g - 2  # head position whose output drafts generated token g
             row = np.array(logits[t], dtype=np.float64)
             top = np.sort(row)[-2:]
@@ -258,8 +274,8 @@ def test_other_families_and_head_layouts_decode_losslessly(model_type, layout):
             check_stream(i, s, *refs[i], set(), cap)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
-def test_oracle_head_never_repairs_and_wrong_head_repairs_every_cycle_but_the_last(model_type):
+@pytest.mark.parametrize("model_type, reject_mode", MODES)
+def test_oracle_head_never_repairs_and_wrong_head_repairs_or_rolls_back_every_cycle(model_type, reject_mode):
     rng = _rng()
     rt = _runtime(model_type, rng)
     prompts = _prompts(rng, rt.vocab_size, 4)
@@ -268,24 +284,31 @@ def test_oracle_head_never_repairs_and_wrong_head_repairs_every_cycle_but_the_la
     ref_tokens = [r[0] for r in refs]
     cycles = math.ceil(cap / 2)
 
-    oracle = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "oracle", rng), prompts, max_new_tokens=cap)
-    wrong = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "wrong", rng), prompts, max_new_tokens=cap)
+    kw = dict(max_new_tokens=cap, reject_mode=reject_mode)
+    oracle = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "oracle", rng), prompts, **kw)
+    wrong = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "wrong", rng), prompts, **kw)
     exact = True
     for r in (oracle, wrong):
         check_counters(r, True)
         for i, s in enumerate(r.streams):
             exact &= check_stream(i, s, *refs[i], set(), cap)
     if exact:  # scripted drafts follow the reference, so they are exact only without a near tie
-        assert oracle.cycles == wrong.cycles == cycles
+        assert oracle.cycles == cycles
         assert oracle.repair_cycles == 0 and oracle.acceptance_rate == 1.0
-        assert oracle.forwards == cycles
-        assert wrong.repair_cycles == cycles - 1 and wrong.accepted == 0
-        assert wrong.forwards == 2 * cycles - 1
-        assert oracle.drafted == wrong.drafted == 4 * (cap // 2)
+        assert oracle.forwards == cycles and oracle.drafted == 4 * (cap // 2)
+        assert wrong.accepted == 0
+        if rolls_back(model_type, reject_mode):
+            # One token per cycle, each a verification forward and nothing else.
+            assert wrong.cycles == wrong.forwards == cap and wrong.repair_cycles == 0
+            assert wrong.drafted == 4 * (cap - 1)
+        else:
+            assert wrong.cycles == cycles and wrong.repair_cycles == cycles - 1
+            assert wrong.forwards == 2 * cycles - 1
+            assert wrong.drafted == 4 * (cap // 2)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
-def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type):
+@pytest.mark.parametrize("model_type, reject_mode", MODES)
+def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type, reject_mode):
     rng = _rng()
     rt = _runtime(model_type, rng)
     prompts = _prompts(rng, rt.vocab_size, 5)
@@ -305,6 +328,7 @@ def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type):
                 stop_token_ids=stops,
                 use_mtp_draft=mtp,
                 serial=serial,
+                reject_mode=reject_mode,
                 on_commit=lambda i, toks: committed.setdefault(i, []).extend(toks),
             )
             check_counters(r, mtp)

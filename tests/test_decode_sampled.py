@@ -139,3 +139,19 @@ def test_sampled_decode_rejects_bad_sampler_arguments(rng):
         mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=SamplerConfig(), row_seeds=[1])
     with pytest.raises(ValueError, match="sampler"):
         mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=[SamplerConfig()] * 3)
+
+
+@pytest.mark.parametrize("reject_mode", ["repair", "reforward"])
+def test_greedy_with_penalties_commits_the_plain_decoding_tokens_under_mtp(rng, reject_mode):
+    # Penalties depend on every committed token, so a draft or a dropped
+    # draft counted by mistake changes the argmax at some later position.
+    vocab = 24
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
+    prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(1, 9, size=4)]
+    cfg = SamplerConfig(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
+    kw = dict(max_new_tokens=30, sampler=cfg, seed=0)
+    plain = mtplx_ext.generate_batched(rt, prompts, use_mtp_draft=False, **kw)
+    mtp = mtplx_ext.generate_batched(rt, prompts, reject_mode=reject_mode, **kw)
+    assert 0 < mtp.accepted < mtp.drafted  # both paths of the cycle were taken
+    for i, (a, b) in enumerate(zip(plain.streams, mtp.streams)):
+        assert a.tokens == b.tokens, f"stream {i}"

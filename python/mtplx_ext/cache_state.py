@@ -3,7 +3,8 @@
 A decode cycle that rejects a draft must undo one verification forward. The
 caches of a trunk split in two kinds:
 
-* trimmable caches (`KVCache`, `BatchKVCache`, ...): undone by `trim_kv`;
+* trimmable caches (`KVCache`, `BatchKVCache`, ...): undone by `trim_kv`
+  for the whole batch, or per stream by `rollback_streams` (`RaggedKVCache`);
 * recurrent caches (`ArraysCache` and subclasses, e.g. gated-delta or Mamba
   state): their state cannot be trimmed, so `snapshot_recurrent` copies
   every leaf of every recurrent layer in ONE `snapshot_state` primitive
@@ -24,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, CacheList
 
+from mtplx_ext.ragged_cache import RaggedKVCache
 from mtplx_ext.state import restore_state, snapshot_state
 
 
@@ -161,6 +163,23 @@ def trim_kv(caches: Sequence[Any], n: int) -> None:
             raise ValueError(f"caches[{name}] ({type(c).__name__}) cannot be trimmed")
         if c.trim(n) != n:
             raise ValueError(f"caches[{name}] holds fewer than {n} tokens to trim")
+
+
+def rollback_streams(caches: Sequence[Any], counts: mx.array) -> None:
+    """Drops the last counts[b] tokens of stream b in every layer (device-side).
+
+    Args:
+        caches: a cache list whose layers are all `RaggedKVCache`.
+        counts: [B] int tokens to drop per stream (a device array: nothing
+            is read on the host).
+
+    Raises:
+        ValueError: naming a layer that cannot roll streams back on their own.
+    """
+    for name, c in _flat(caches):
+        if not isinstance(c, RaggedKVCache):
+            raise ValueError(f"caches[{name}] ({type(c).__name__}) cannot roll back single streams")
+        c.rollback(counts)
 
 
 def finish_prefill(caches: Sequence[Any]) -> None:

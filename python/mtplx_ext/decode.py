@@ -1,19 +1,30 @@
-"""Batched MTP decoding with uniform full-batch repair (greedy for now).
+"""Batched MTP decoding: one [B, 2] verification forward and one host read per cycle.
 
 Each cycle, for every stream of the batch: x0 (the target's token, from the
 previous cycle or the prefill) and the head's draft of the token after x0;
 one [B, 2] verification forward of [x0, draft]; one bundle
 (x0, draft, second, accept, bonus) per stream from the token policy; ONE
-blocking host read of that bundle. A stream commits x0 and `second` (the
-draft when accepted, the target's own token when not). When any live stream
-rejected, the whole batch rolls back to before the verification (recurrent
-snapshot restored, KV trimmed by 2) and re-forwards [x0, second]; streams
-that accepted come out unchanged. The next x0 is the bonus (accepted) or the
-target's token after `second` from the repair forward.
+blocking host read of that bundle. `second` is the draft when accepted, the
+target's own token when not.
+
+How a rejected draft is undone (`reject_mode`):
+
+* "repair" on attention-only trunks (per-stream rollback): KV caches are
+  `RaggedKVCache`s. A stream that accepted commits x0 and the draft and
+  goes on from the bonus; a stream that rejected commits x0, drops the
+  draft's KV slot (a device-side subtraction) and goes on from `second`,
+  which the next verification forward consumes. No extra forward, and the
+  next cycle never waits for the host: what each stream does is decided on
+  the device from the bundle.
+* "repair" on trunks with recurrent layers, and "reforward" everywhere
+  (uniform full-batch repair): a stream commits x0 and `second`; when any
+  live stream rejected, the whole batch rolls back to before the
+  verification (recurrent snapshot restored, KV trimmed by 2) and
+  re-forwards [x0, second]; streams that accepted come out unchanged.
 
 The head keeps a KV cache of (hidden at t, token t + 1) pairs in step with
-the trunk: after each cycle it consumes both committed positions, and its
-last output is the next draft.
+the trunk: after each cycle it consumes the committed positions, and its
+output at the last one is the next draft.
 
 All arrays stay on the device between cycles; the host only reads bundles.
 """
@@ -39,7 +50,7 @@ from mtplx_ext.verify import (
     verify_greedy,
 )
 
-REJECT_MODES = ("repair",)
+REJECT_MODES = ("repair", "reforward")
 #: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
 PREFILL_STEP = 2048
 
@@ -247,12 +258,16 @@ class _Pending:
 class _Decoder:
     """Device-graph builders of one batched decode (no host reads here)."""
 
-    def __init__(self, runtime: Any, policy: TokenPolicy, cache: list, head_cache: list | None):
+    def __init__(
+        self, runtime: Any, policy: TokenPolicy, cache: list, head_cache: list | None, rollback: bool = False
+    ):
         self.rt = runtime
         self.policy = policy
         self.cache = cache
         self.head_cache = head_cache
         self.recurrent = cache_state.has_recurrent_state(cache)
+        # Per-stream rollback (RaggedKVCache layers) instead of batch repair.
+        self.rollback = rollback
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
@@ -309,6 +324,20 @@ class _Decoder:
         logits, hidden = self.rt.forward(_model_tokens(pair), self.cache)
         return self._head_step(hidden, b[:, COL_SECOND], self.policy.pick(logits[:, -1], step), step)
 
+    def after_rollback(self, p: _Pending, step: int) -> tuple[mx.array, Any]:
+        """Next (x0, draft) per stream, rejected streams rolled back on the device."""
+        b = p.bundle
+        accepted = b[:, COL_ACCEPT] == 1
+        second, bonus = b[:, COL_SECOND], b[:, COL_BONUS]
+        # Head pairs (hidden at x0, second) and (hidden at draft, bonus); a
+        # rejected stream keeps only the first, and drafts from it.
+        head_logits = self.rt.head_forward(p.hidden, _model_tokens(mx.stack([second, bonus], axis=1)), self.head_cache)
+        draft, info = self.policy.draft(mx.where(accepted[:, None], head_logits[:, 1], head_logits[:, 0]), step)
+        dropped = 1 - accepted.astype(mx.int32)
+        cache_state.rollback_streams(self.cache, dropped)
+        cache_state.rollback_streams(self.head_cache, dropped)
+        return mx.stack([mx.where(accepted, bonus, second), draft], axis=1), info
+
     def plain_step(self, tokens: mx.array, step: int) -> _Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
         logits, _ = self.rt.forward(_model_tokens(tokens), self.cache)
@@ -325,8 +354,12 @@ class _Streams:
         max_new_tokens: int,
         stop_ids: frozenset[int],
         on_commit: OnCommit | None,
+        second_on_reject: bool = True,
     ):
         self.vocab_size = vocab_size
+        # False with per-stream rollback: a rejecting stream commits only x0
+        # now, and `second` as the next cycle's x0.
+        self.second_on_reject = second_on_reject
         self.result = BatchedDecodeResult(streams=[StreamResult() for _ in range(n)])
         self.max_new = max_new_tokens
         self.stop_ids = stop_ids
@@ -362,6 +395,8 @@ class _Streams:
                         self._fail(i, "non-finite verification logits")
                     self.result.drafted += 1
                     self.result.accepted += int(accept[i] == 1)
+                    if accept[i] == 0 and not self.second_on_reject:
+                        break
                 t = int(tokens[i, j])
                 if not 0 <= t < self.vocab_size:
                     self._fail(i, f"token {t} outside the vocabulary (non-finite logits)")
@@ -375,7 +410,7 @@ class _Streams:
             self.count[i] += len(new)
             if reason:
                 self.done[i] = True
-            elif accept is not None and accept[i] == 0:
+            elif accept is not None and accept[i] == 0 and self.second_on_reject:
                 repair = True
             commits.append((int(i), new, reason))
         return commits, repair
@@ -415,6 +450,8 @@ def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int) -
     """Builds cycle `step` after `p`: (repair and) head step, then verification."""
     if not mtp:
         return dec.plain_step(p.bundle, step)
+    if dec.rollback:
+        return dec.verify_step(*dec.after_rollback(p, step), step)
     nxt = dec.after_repair(p, step) if repair else dec.after_accept(p, step)
     return dec.verify_step(*nxt, step)
 
@@ -443,7 +480,9 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             # only device arrays). Start it once the bundle confirms the
             # guess; else drop it unevaluated (no extra forward) and build
             # the other path.
-            guess = mtp and repair_rate > 0.5
+            # (With per-stream rollback the next cycle does not depend on
+            # the bundle's host copy: the guess is always right.)
+            guess = mtp and not dec.rollback and repair_rate > 0.5
             ckpt = cache_state.checkpoint_caches(*dec.caches(), [dec.policy])
             spec = _next_step(dec, p, mtp, guess, res.cycles + 1)
             b = _read_bundle(p, st)
@@ -501,7 +540,10 @@ def generate_batched(
         stop_token_ids: tokens that end a stream (the stop token is kept).
         use_mtp_draft: False decodes plainly, one token per forward (the
             baseline), through the same runtime.
-        reject_mode: "repair" (uniform full-batch repair) only.
+        reject_mode: "repair": rejected streams are rolled back on their own
+            when the trunk is attention-only (no extra forward), else the
+            batch is repaired uniformly (snapshot restore, re-forward);
+            "reforward": always the uniform full-batch repair.
         serial: True runs the plain loop; False pipelines graph building
             and host bookkeeping with the device work. Same tokens and
             forwards either way.
@@ -535,7 +577,13 @@ def generate_batched(
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
     with wired_limit(runtime):
-        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit)
+        rollback = mtp and reject_mode == "repair" and not _has_recurrent_layers(runtime)
+        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback)
+
+
+def _has_recurrent_layers(runtime: Any) -> bool:
+    flag = getattr(runtime, "has_recurrent_layers", None)
+    return True if flag is None else bool(flag)
 
 
 def _generate(
@@ -547,21 +595,26 @@ def _generate(
     mtp: bool,
     serial: bool,
     on_commit: OnCommit | None,
+    rollback: bool = False,
 ) -> BatchedDecodeResult:
     t0 = time.perf_counter()
     lengths = [len(p) for p in prompts]
     width = max(lengths)
     pads = [width - n for n in lengths]
     padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
-    cache = runtime.make_cache(pads)
-    head_cache = runtime.make_head_cache(pads) if mtp else None
-    dec = _Decoder(runtime, policy, cache, head_cache)
+    # (The ragged keyword only when used: runtimes without it still repair.)
+    kw = {"ragged": True} if rollback else {}
+    cache = runtime.make_cache(pads, **kw)
+    head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
+    if rollback and hasattr(policy, "second_on_reject"):
+        policy.second_on_reject = False
+    dec = _Decoder(runtime, policy, cache, head_cache, rollback)
     tokens, info = dec.prefill(padded)
     # A device barrier (no host read) so prefill and decode times separate.
     mx.eval(tokens, [c.state for c in dec.caches()[0]])
     t1 = time.perf_counter()
 
-    st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit)
+    st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, not rollback)
     first = dec.verify_step(tokens, info, 1) if mtp else _Pending(tokens)
     st.result.forwards += int(mtp)
     if not serial:

@@ -83,25 +83,32 @@ class MTPRuntime(nn.Module):
 
     # -- caches ------------------------------------------------------------
 
-    def make_cache(self, left_padding: list[int]) -> list:
+    def make_cache(self, left_padding: list[int], ragged: bool = False) -> list:
         """Batch-aware trunk caches, one per layer.
 
         Args:
             left_padding: per-row count of pad tokens on the left of the
                 prompts (its length is the batch size).
+            ragged: attention layers get a `RaggedKVCache` (each stream can
+                be rolled back on its own) instead of mlx-lm's `BatchKVCache`.
 
         Returns:
-            `BatchKVCache` for attention layers, `ArraysCache(2,
-            left_padding=...)` for recurrent layers.
+            `BatchKVCache` (or `RaggedKVCache`) for attention layers,
+            `ArraysCache(2, left_padding=...)` for recurrent layers.
         """
-        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding))
+        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding), ragged)
 
-    def make_head_cache(self, left_padding: list[int]) -> list:
-        """Batch-aware caches for the head's attention layer(s)."""
+    def make_head_cache(self, left_padding: list[int], ragged: bool = False) -> list:
+        """Batch-aware caches for the head's attention layer(s) (see `make_cache`)."""
         pads = _check_left_padding(left_padding)
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
-        return trunk_lib.make_layer_caches(self.head.layer_list(), pads)
+        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged)
+
+    @property
+    def has_recurrent_layers(self) -> bool:
+        """Whether the trunk has recurrent (non-trimmable) layers."""
+        return any(trunk_lib.is_recurrent(l) for l in self.trunk.model.layers)
 
     def check_tokens(self, tokens: object, name: str = "tokens") -> None:
         """Host-side check that token ids are in the vocabulary (one sync).

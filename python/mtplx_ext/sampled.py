@@ -218,6 +218,10 @@ class SampledPolicy:
         self.counts: mx.array | None = None
         self.x0: mx.array | None = None
         self.x0_is_bonus = False
+        # False when the decode loop rolls rejecting streams back on their
+        # own: such a stream commits only x0 this cycle and goes on from
+        # `second`, which becomes its next x0.
+        self.second_on_reject = True
 
     @property
     def configs(self) -> list[SamplerConfig] | SamplerConfig:
@@ -290,10 +294,17 @@ class SampledPolicy:
             [self._uniforms(step, [_CALL_ACCEPT, _CALL_RESAMPLE]), self._uniforms(step + 1, [_CALL_PICK])], axis=1
         )
         bundle = verify_sampled(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
+        if self.second_on_reject:
+            committed = bundle[:, 2]
+            # The next x0 is the bonus, unless a repair forward picks it anew.
+            nxt = bundle[:, 4]
+        else:
+            accepted = bundle[:, 3] == 1
+            committed = mx.where(accepted, bundle[:, 1], -1)
+            nxt = mx.where(accepted, bundle[:, 4], bundle[:, 2])
         if self._penalties:
-            self.counts = self._add(self._add(self.counts, bundle[:, 0]), bundle[:, 2])
-        # The next x0 is the bonus, unless a repair forward picks it anew.
-        self.x0, self.x0_is_bonus = bundle[:, 4], True
+            self.counts = self._add(self._add(self.counts, bundle[:, 0]), committed)
+        self.x0, self.x0_is_bonus = nxt, True
         return bundle
 
 

@@ -17,6 +17,8 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.utils import MODEL_REMAPPING
 
+from mtplx_ext.ragged_cache import RaggedKVCache
+
 # Families whose attention applies the mask with mx.where and so needs an
 # array mask, never the "causal" string.
 _ARRAY_MASK_FAMILIES = frozenset({"deepseek_v3"})
@@ -139,17 +141,17 @@ def project(trunk: nn.Module, normed: mx.array) -> mx.array:
     return lm.lm_head(normed)
 
 
-def make_trunk_cache(trunk: nn.Module, left_padding: list[int]) -> list[Any]:
+def make_trunk_cache(trunk: nn.Module, left_padding: list[int], ragged: bool = False) -> list[Any]:
     """Batch-aware caches, one per trunk layer, for left-padded prompts."""
-    return make_layer_caches(trunk.model.layers, left_padding)
+    return make_layer_caches(trunk.model.layers, left_padding, ragged)
 
 
-def make_layer_caches(layers: list[nn.Module], left_padding: list[int]) -> list[Any]:
-    """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`."""
+def make_layer_caches(layers: list[nn.Module], left_padding: list[int], ragged: bool = False) -> list[Any]:
+    """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`
+    (`RaggedKVCache` when `ragged`: per-stream rollback without a re-forward)."""
+    kv = RaggedKVCache if ragged else BatchKVCache
     return [
-        ArraysCache(size=2, left_padding=list(left_padding))
-        if is_recurrent(l)
-        else BatchKVCache(list(left_padding))
+        ArraysCache(size=2, left_padding=list(left_padding)) if is_recurrent(l) else kv(list(left_padding))
         for l in layers
     ]
 
