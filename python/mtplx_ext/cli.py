@@ -200,6 +200,11 @@ class Run:
     acceptance: float | None = None
     forwards_per_token: float | None = None
     outputs: list[list[int]] = field(default_factory=list)
+    # Raw counts, so that runs over several groups of prompts combine.
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    stream_tokens: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -215,6 +220,41 @@ def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool) -> Run:
         acceptance=r.acceptance_rate if mtp else None,
         forwards_per_token=r.forwards / per_stream,
         outputs=[s.tokens for s in r.streams],
+        drafted=r.drafted,
+        accepted=r.accepted,
+        forwards=r.forwards,
+        stream_tokens=per_stream,
+    )
+
+
+def _prompt_groups(prompt_ids: list[list[int]], batch: int) -> list[list[list[int]]]:
+    """Every bench prompt at least once, in batches of `batch` streams.
+
+    Each batch size decodes the same prompts (repeated to fill the last
+    batch), so batch 1 is not one prompt's luck.
+    """
+    n = -(-max(batch, len(prompt_ids)) // batch) * batch
+    streams = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
+    return [streams[i : i + batch] for i in range(0, n, batch)]
+
+
+def _combined(runs: list[Run]) -> Run:
+    """One Run for consecutive decodes of several prompt groups."""
+    engine = all(r.forwards_per_token is not None for r in runs)
+    drafted = sum(r.drafted for r in runs)
+    stream_tokens = sum(r.stream_tokens for r in runs)
+    return Run(
+        tokens=sum(r.tokens for r in runs),
+        seconds=sum(r.seconds for r in runs),
+        acceptance=(sum(r.accepted for r in runs) / drafted if drafted else 0.0)
+        if all(r.acceptance is not None for r in runs)
+        else None,
+        forwards_per_token=sum(r.forwards for r in runs) / stream_tokens if engine and stream_tokens else None,
+        outputs=[o for r in runs for o in r.outputs],
+        drafted=drafted,
+        accepted=sum(r.accepted for r in runs),
+        forwards=sum(r.forwards for r in runs),
+        stream_tokens=stream_tokens,
     )
 
 
@@ -315,13 +355,13 @@ def run_bench(rt: Any, tok: Any, batches: list[int], n: int, repeats: int, progr
             pass
     rows = []
     for b in batches:
-        prompts = [prompt_ids[i % len(prompt_ids)] for i in range(b)]
+        groups = _prompt_groups(prompt_ids, b)
         runs: dict[str, list[Run]] = {m: [] for m in METHODS}
         # One untimed warm-up per method, then methods interleave per repeat so
         # that load changes on the machine hit all of them alike.
         for rep in range(repeats + 1):
             for m in METHODS:
-                r = runners[m](prompts)
+                r = _combined([runners[m](g) for g in groups])
                 if rep > 0:
                     runs[m].append(r)
                 if bar is not None:
@@ -342,7 +382,7 @@ def run_bench(rt: Any, tok: Any, batches: list[int], n: int, repeats: int, progr
                 "acceptance_rate": statistics.median(acc) if acc else None,
                 "forwards_per_token": statistics.median(fpt) if fpt else None,
                 "streams_equal_to_plain": sum(a == c for a, c in zip(rs[0].outputs, ref_out)),
-                "streams": b,
+                "streams": len(ref_out),
                 "tokens_per_s_repeats": [r.tokens_per_s for r in rs],
             })
     if bar is not None:
@@ -459,7 +499,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="MTP vs plain decoding vs mlx-lm, tokens/s")
     b.add_argument("--model", help="model folder (default: the shipped model)")
-    b.add_argument("--batch", type=_parse_batches, default=[1, 4, 8], help="batch sizes, e.g. 1,4,8")
+    b.add_argument(
+        "--batch",
+        type=_parse_batches,
+        default=[1, 4, 8],
+        help="batch sizes, e.g. 1,4,8 (each decodes all 8 bench prompts, b at a time)",
+    )
     b.add_argument("--tokens", type=_positive("--tokens"), default=128, help="new tokens per stream")
     b.add_argument("--repeats", type=_positive("--repeats"), default=3)
     b.add_argument("--json", help="write the full report here")
