@@ -186,3 +186,35 @@ def test_runtime_snapshot_restore_trim_undo_a_forward_bit_exactly(hybrid):
     assert [c.size() for c in cache if isinstance(c, BatchKVCache)] == sizes
     for a, b in zip(_host_leaves(cache), before):
         assert np.array_equal(a, b)
+
+
+def test_ragged_cache_after_random_per_stream_rollbacks_equals_a_fresh_forward_of_each_stream():
+    # Streams write [B, 2] pairs and drop 0, 1 or 2 of them at random; the
+    # logits of a final forward must equal a forward of each stream's kept
+    # tokens alone, from scratch.
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    V, B = rt.vocab_size, 4
+    toks, pads = _ragged(rng, V, B)
+    kept = [toks[i, p:].tolist() for i, p in enumerate(pads)]
+    cache = rt.make_cache(pads, ragged=True)
+    rt.forward(toks, cache)
+    for _ in range(int(rng.integers(3, 9))):
+        pair = rng.integers(0, V, size=(B, 2))
+        rt.forward(mx.array(pair.astype(np.int32)), cache)
+        drop = rng.integers(0, 3, size=B)
+        cache_state.rollback_streams(cache, mx.array(drop.astype(np.int32)))
+        for i in range(B):
+            kept[i] += pair[i, : 2 - drop[i]].tolist()
+    assert len({len(k) for k in kept}) > 1  # the streams did end up ragged
+    last = rng.integers(0, V, size=(B, 1))
+    got = np.array(rt.forward(mx.array(last.astype(np.int32)), cache)[0][:, -1], np.float64)
+    for i in range(B):
+        want = np.array(rt.forward(mx.array([kept[i] + [int(last[i, 0])]]))[0][0, -1], np.float64)
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-4, err_msg=f"stream {i}")
+
+
+def test_rollback_streams_refuses_caches_that_cannot_roll_back_one_stream():
+    cache = [BatchKVCache([0, 1])]
+    with pytest.raises(ValueError, match=r"caches\[0\].*BatchKVCache"):
+        cache_state.rollback_streams(cache, mx.array([1, 0]))
