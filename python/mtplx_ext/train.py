@@ -132,6 +132,7 @@ class TrainConfig:
     minutes: float = 40.0
     max_steps: int = 0
     head_weight: float = 1.0
+    distill: float = 0.0
     heldout_per_mille: int = 50
     eval_tokens: int = 32768
     seed: int = 0
@@ -161,15 +162,36 @@ def build_runtime(cfg: TrainConfig, tokenizer):
     return rt
 
 
-def joint_loss(rt, seq: mx.array, head_weight: float) -> tuple[mx.array, tuple[mx.array, mx.array]]:
-    """Trunk next-token CE + head token-after-next CE on [B, T+1] windows."""
+def joint_loss(
+    rt, seq: mx.array, head_weight: float, distill: float = 0.0
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+    """Trunk next-token CE + head token-after-next CE on [B, T+1] windows.
+
+    Args:
+        rt: the runtime being trained.
+        seq: [B, T + 1] token windows.
+        head_weight: weight of the head's loss.
+        distill: share of the head's target taken from the trunk's own
+            (detached) distribution at t + 1 instead of the data's token
+            t + 2. Drafts are accepted when they match the trunk, not the
+            data, so this aims the head at acceptance.
+
+    Returns:
+        (loss, (trunk CE, head CE against the data)).
+    """
     inputs, targets = seq[:, :-1], seq[:, 1:]
     logits, hidden = rt.forward(inputs)
-    trunk_ce = nn.losses.cross_entropy(logits.astype(mx.float32), targets, reduction="mean")
+    logits = logits.astype(mx.float32)
+    trunk_ce = nn.losses.cross_entropy(logits, targets, reduction="mean")
     # The head sees the trunk's state at t and the true token t+1, predicts t+2.
-    head_logits = rt.head_forward(hidden[:, :-1], targets[:, :-1])
-    head_ce = nn.losses.cross_entropy(head_logits.astype(mx.float32), targets[:, 1:], reduction="mean")
-    return trunk_ce + head_weight * head_ce, (trunk_ce, head_ce)
+    head_logits = rt.head_forward(hidden[:, :-1], targets[:, :-1]).astype(mx.float32)
+    head_ce = nn.losses.cross_entropy(head_logits, targets[:, 1:], reduction="mean")
+    head_loss = head_ce
+    if distill > 0.0:
+        teacher = mx.softmax(mx.stop_gradient(logits[:, 1:]), axis=-1)
+        soft_ce = -(teacher * nn.log_softmax(head_logits, axis=-1)).sum(axis=-1).mean()
+        head_loss = (1.0 - distill) * head_ce + distill * soft_ce
+    return trunk_ce + head_weight * head_loss, (trunk_ce, head_ce)
 
 
 def evaluate(rt, tokens: np.ndarray, seq_len: int, max_tokens: int, batch: int = 8) -> dict:
@@ -281,7 +303,7 @@ def train(cfg: TrainConfig) -> dict:
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
 
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
-    loss_and_grad = nn.value_and_grad(rt, lambda s: joint_loss(rt, s, cfg.head_weight))
+    loss_and_grad = nn.value_and_grad(rt, lambda s: joint_loss(rt, s, cfg.head_weight, cfg.distill))
     state = [rt.state, opt.state, mx.random.state]
 
     def _step(seq):
@@ -378,6 +400,13 @@ def write_model_readme(folder: str | Path) -> Path:
     s = json.loads((folder / "train_summary.json").read_text())
     cfg, held, dec = s["config"], s["heldout"], s["heldout"].get("decode", {})
     ema = s["final_train_ema"]
+    lam = float(cfg.get("distill", 0.0))
+    distill_text = (
+        f"; the head's target is {1 - lam:g} x the data's token t + 2 + {lam:g} x the trunk's own"
+        " (detached) distribution at t + 1, because drafts are accepted when they match the trunk"
+        if lam > 0
+        else ""
+    )
     text = f"""# {folder.name}: a tiny qwen3 model with a Qwen3-Next-style MTP head
 
 Trained by `mtplx_ext.train` so that `mtplx-ext generate` and `mtplx-ext bench`
@@ -406,7 +435,7 @@ A file is held out for evaluation when `crc32(relative path) % 1000 <
 
 Joint loss: next-token cross-entropy through the trunk + {cfg['head_weight']} x
 token-after-next cross-entropy through the head (the head sees the trunk's
-hidden state at t and the true token t + 1). AdamW (weight decay 0.01), peak
+hidden state at t and the true token t + 1){distill_text}. AdamW (weight decay 0.01), peak
 learning rate {cfg['lr']}, {cfg['warmup']} warmup steps then cosine decay to 10 %, gradient
 clipping 1.0, batch {cfg['batch']} x {cfg['seq_len']} tokens, seed {cfg['seed']}.
 
@@ -456,6 +485,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.hidden % cfg.heads or cfg.heads % cfg.kv_heads:
         p.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
+    if not 0.0 <= cfg.distill <= 1.0:
+        p.error("--distill must be in [0, 1]")
     if cfg.minutes <= 0 and cfg.max_steps <= 0:
         p.error("give --minutes > 0 or --max-steps > 0")
     return cfg
