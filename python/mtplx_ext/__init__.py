@@ -15,6 +15,7 @@ from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
 from mtplx_ext.verify import verify_greedy  # noqa: E402
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
 from mtplx_ext.sampled import sample_tokens, verify_sampled  # noqa: E402
+from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import init_random, load  # noqa: E402
 from mtplx_ext.decode import (  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "generate_greedy_batched",
     "BLAS",
     "MTPRuntime",
+    "RaggedKVCache",
     "init_random",
     "load",
     "SamplerConfig",
