@@ -13,6 +13,7 @@ using namespace nb::literals;
 
 namespace mtplx {
 void bind_sampling(nb::module_& m); // sampling_bindings.cpp
+void bind_fused(nb::module_& m); // fused_bindings.cpp
 } // namespace mtplx
 
 NB_MODULE(_ext, m) {
@@ -35,10 +36,7 @@ NB_MODULE(_ext, m) {
 
   // Binding check: fails with nanobind's "incompatible function arguments"
   // when mx.array is not the mlx::core::array this module was built with.
-  m.def(
-      "abi_probe",
-      [](const mlx::core::array& a) { return a.ndim(); },
-      "a"_a);
+  m.def("abi_probe", [](const mlx::core::array& a) { return a.ndim(); }, "a"_a);
 
   m.def(
       "verify_greedy",
@@ -65,4 +63,5 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none());
 
   mtplx::bind_sampling(m);
+  mtplx::bind_fused(m);
 }
