@@ -186,27 +186,30 @@ def scaled_dot_product_attention(
 
 # ---------------------------------------------------------------------------
 # Modules
+#
+# They call the extension directly: these calls run once per layer per decode
+# step, and the C++ ops check every argument again (ValueError naming it).
 
 
 class FusedRMSNorm(nn.RMSNorm):
     """`nn.RMSNorm` computed by the fused `rms_norm`."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, self["weight"], self.eps)
+        return _ext.rms_norm(x, self["weight"], self.eps)
 
 
 class FusedZeroCentredRMSNorm(ZeroCentredRMSNorm):
     """`ZeroCentredRMSNorm` (scale 1 + w) computed by the fused `rms_norm`."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        return rms_norm(x, 1.0 + self.weight, self.eps)
+        return _ext.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
 class FusedRoPE(nn.RoPE):
     """`nn.RoPE` computed by the fused `rope`."""
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        return rope(
+        return _ext.rope(
             x,
             self.dims,
             traditional=self.traditional,
@@ -370,7 +373,7 @@ def patch_mlx_lm_attention() -> AttentionPatch:
     ) -> mx.array:
         if sinks is not None or hasattr(cache, "bits"):
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-        return scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        return _ext.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     routed_attention._mtplx_router = True  # type: ignore[attr-defined]
     modules = []
