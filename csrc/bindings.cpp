@@ -36,7 +36,10 @@ NB_MODULE(_ext, m) {
 
   // Binding check: fails with nanobind's "incompatible function arguments"
   // when mx.array is not the mlx::core::array this module was built with.
-  m.def("abi_probe", [](const mlx::core::array& a) { return a.ndim(); }, "a"_a);
+  m.def(
+      "abi_probe",
+      [](const mlx::core::array& a) { return a.ndim(); },
+      "a"_a);
 
   m.def(
       "verify_greedy",
