@@ -81,7 +81,7 @@ mx::array rms_norm(
     bad_arg("eps must be finite and >= 0, got " + num_str(eps));
   }
   auto st = mx::to_stream(s);
-  if (st.device == mx::Device::gpu) {
+  if (st.device.type == mx::Device::gpu) {
     return mx::fast::rms_norm(x, weight, eps, st);
   }
   auto out_type =
@@ -192,7 +192,7 @@ mx::array rope(
           shape_str(off.shape()));
     }
   }
-  if (st.device == mx::Device::gpu) {
+  if (st.device.type == mx::Device::gpu) {
     return mx::fast::rope(
         x, dims, traditional, base, scale, off, std::nullopt, st);
   }
@@ -359,7 +359,7 @@ mx::array scaled_dot_product_attention(
     }
   }
   auto st = mx::to_stream(s);
-  if (st.device == mx::Device::gpu) {
+  if (st.device.type == mx::Device::gpu) {
     return mx::fast::scaled_dot_product_attention(
         queries, keys, values, scale, mask_mode, m, {}, false, st);
   }
