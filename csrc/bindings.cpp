@@ -13,6 +13,7 @@ using namespace nb::literals;
 
 namespace mtplx {
 void bind_sampling(nb::module_& m); // sampling_bindings.cpp
+void bind_fused(nb::module_& m); // fused_bindings.cpp
 } // namespace mtplx
 
 NB_MODULE(_ext, m) {
@@ -65,4 +66,5 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none());
 
   mtplx::bind_sampling(m);
+  mtplx::bind_fused(m);
 }

@@ -18,6 +18,17 @@ from mtplx_ext.sampled import sample_tokens, verify_sampled  # noqa: E402
 from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import init_random, load  # noqa: E402
+from mtplx_ext.fused import (  # noqa: E402
+    AttentionPatch,
+    FusedRMSNorm,
+    FusedRoPE,
+    FusedZeroCentredRMSNorm,
+    fuse_cpu_ops,
+    patch_mlx_lm_attention,
+    rms_norm,
+    rope,
+    scaled_dot_product_attention,
+)
 from mtplx_ext.decode import (  # noqa: E402
     BatchedDecodeResult,
     StreamResult,
@@ -28,6 +39,15 @@ from mtplx_ext.decode import (  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPatch",
+    "FusedRMSNorm",
+    "FusedRoPE",
+    "FusedZeroCentredRMSNorm",
+    "fuse_cpu_ops",
+    "patch_mlx_lm_attention",
+    "rms_norm",
+    "rope",
+    "scaled_dot_product_attention",
     "BatchedDecodeResult",
     "StreamResult",
     "generate_batched",

@@ -1,0 +1,149 @@
+// Helpers shared by the CPU kernels of the fused ops (rms_norm, rope,
+// attention): float32 loads and stores of the three float dtypes, strided row
+// addressing, and 8-lane float vectors (GCC/Clang vector extensions: SSE2 in
+// the baseline build, AVX2 in the clone picked at load time).
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/types/half_types.h"
+
+// Portable wheels keep a baseline build; on x86-64 an AVX2 clone is picked at
+// load time where the CPU has it.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__APPLE__)
+#define MTPLX_FUSED_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define MTPLX_FUSED_CLONES
+#endif
+#define MTPLX_FUSED_INLINE inline __attribute__((always_inline))
+
+namespace mtplx::cpu {
+
+namespace mx = mlx::core;
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef int32_t vi8 __attribute__((vector_size(32)));
+constexpr int kLanes = 8;
+
+MTPLX_FUSED_INLINE int round_up_lanes(int n) {
+  return (n + kLanes - 1) / kLanes * kLanes;
+}
+
+MTPLX_FUSED_INLINE vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+MTPLX_FUSED_INLINE void store8(float* p, vf8 v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+MTPLX_FUSED_INLINE float hsum8(vf8 v) {
+  float a = (v[0] + v[4]) + (v[1] + v[5]);
+  float b = (v[2] + v[6]) + (v[3] + v[7]);
+  return a + b;
+}
+
+// Storage types: float, or the 16-bit bit patterns of float16 / bfloat16.
+// Stores round to nearest even exactly as MLX's own casts do.
+struct F32 {
+  using bits_t = float;
+  static MTPLX_FUSED_INLINE float load(float v) {
+    return v;
+  }
+  static MTPLX_FUSED_INLINE float store(float v) {
+    return v;
+  }
+  static MTPLX_FUSED_INLINE float round(float v) {
+    return v;
+  }
+};
+
+struct F16 {
+  using bits_t = uint16_t;
+  // Branch-free half -> float, exact for normals, subnormals, Inf and NaN.
+  static MTPLX_FUSED_INLINE float load(uint16_t h) {
+    uint32_t em = uint32_t(h & 0x7FFF) << 13;
+    uint32_t exp = em & (0x7C00u << 13);
+    uint32_t u = em + ((127 - 15) << 23);
+    u += exp == (0x7C00u << 13) ? ((128 - 16) << 23) : 0u;
+    float f = std::bit_cast<float>(exp == 0 ? u + (1u << 23) : u);
+    f = exp == 0 ? f - std::bit_cast<float>(113u << 23) : f;
+    uint32_t s = uint32_t(h & 0x8000) << 16;
+    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | s);
+  }
+  static MTPLX_FUSED_INLINE uint16_t store(float v) {
+    return std::bit_cast<uint16_t>(mx::float16_t(v));
+  }
+  static MTPLX_FUSED_INLINE float round(float v) {
+    return load(store(v));
+  }
+};
+
+struct BF16 {
+  using bits_t = uint16_t;
+  static MTPLX_FUSED_INLINE float load(uint16_t b) {
+    return std::bit_cast<float>(uint32_t(b) << 16);
+  }
+  static MTPLX_FUSED_INLINE uint16_t store(float v) {
+    return std::bit_cast<uint16_t>(mx::bfloat16_t(v));
+  }
+  static MTPLX_FUSED_INLINE float round(float v) {
+    return load(store(v));
+  }
+};
+
+// Widens n elements spaced `stride` apart into dst (float32).
+template <class S>
+MTPLX_FUSED_INLINE void
+load_row(const typename S::bits_t* src, int64_t stride, int n, float* dst) {
+  if (stride == 1) {
+    for (int i = 0; i < n; ++i) {
+      dst[i] = S::load(src[i]);
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      dst[i] = S::load(src[i * stride]);
+    }
+  }
+}
+
+// Element offsets of the rows of an array (all axes but the last, row-major
+// logical order) under its strides.
+class RowWalker {
+ public:
+  explicit RowWalker(const mx::array& a) {
+    int nd = a.ndim();
+    for (int i = 0; i + 1 < nd; ++i) {
+      shape_.push_back(a.shape(i));
+      strides_.push_back(a.strides()[i]);
+    }
+    col_stride_ = nd > 0 ? int64_t(a.strides()[nd - 1]) : 1;
+  }
+
+  int64_t offset(int64_t row) const {
+    int64_t off = 0;
+    for (int i = int(shape_.size()) - 1; i >= 0; --i) {
+      int64_t n = shape_[i];
+      off += (row % n) * strides_[i];
+      row /= n;
+    }
+    return off;
+  }
+
+  int64_t col_stride() const {
+    return col_stride_;
+  }
+
+ private:
+  std::vector<int64_t> shape_;
+  std::vector<int64_t> strides_;
+  int64_t col_stride_;
+};
+
+} // namespace mtplx::cpu

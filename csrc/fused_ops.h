@@ -1,0 +1,58 @@
+// Fused CPU forms of mx.fast.rms_norm, mx.fast.rope and
+// mx.fast.scaled_dot_product_attention: same semantics, one graph node each
+// on a CPU stream. On a GPU stream they return the mx::fast op itself (MLX's
+// Metal kernels are already fused). Arguments are checked before any kernel
+// runs; std::invalid_argument names the bad argument.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+// x [..., D] normalised over its last axis: x / sqrt(mean(x^2) + eps) in
+// float32, cast to the output dtype, then times weight [D] (if any) in that
+// dtype, exactly as mx::fast::rms_norm's fallback. Output dtype: x's, or its
+// promotion with weight's.
+mx::array rms_norm(
+    const mx::array& x,
+    const std::optional<mx::array>& weight,
+    float eps,
+    mx::StreamOrDevice s = {});
+
+// Rotary embedding of the first `dims` features of x [B, ..., T, D] at
+// positions (offset + t) * scale, t < T, with inverse frequencies
+// base^(-i / (dims / 2)). offset: a Python-style int or an integer array of
+// size 1 or B (one start position per batch entry).
+mx::array rope(
+    const mx::array& x,
+    int dims,
+    bool traditional,
+    float base,
+    float scale,
+    const std::variant<int, mx::array>& offset,
+    mx::StreamOrDevice s = {});
+
+// softmax(scale * q k^T + mask) v per head; q [B, Hq, T, D], k [B, Hkv, S, D],
+// v [B, Hkv, S, Dv], Hq a multiple of Hkv (grouped-query attention).
+// mask_mode "" (then `mask` may hold an array: bool keeps where true,
+// otherwise additive) or "causal" (bottom-right aligned, no array). Softmax
+// runs in float32 with the row maximum subtracted. As in mx::fast: a row
+// whose keys are all masked by a bool or causal mask averages v uniformly; a
+// row whose scores are all -inf (additive mask), or hold NaN, is NaN.
+mx::array scaled_dot_product_attention(
+    const mx::array& queries,
+    const mx::array& keys,
+    const mx::array& values,
+    float scale,
+    const std::string& mask_mode,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s = {});
+
+} // namespace mtplx
