@@ -218,3 +218,28 @@ def test_rollback_streams_refuses_caches_that_cannot_roll_back_one_stream():
     cache = [BatchKVCache([0, 1])]
     with pytest.raises(ValueError, match=r"caches\[0\].*BatchKVCache"):
         cache_state.rollback_streams(cache, mx.array([1, 0]))
+
+
+def test_ragged_layers_share_positions_so_trimming_every_layer_trims_once():
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    toks, pads = _ragged(rng, rt.vocab_size, 3)
+    cache = rt.make_cache(pads, ragged=True)
+    rt.forward(toks, cache)
+    width = toks.shape[1]
+    assert trim_prompt_cache(cache, 2) == 2  # mlx-lm's helper trims layer by layer
+    assert [c.size() for c in cache] == [width - 2] * len(cache)
+    assert np.array_equal(np.array(cache[-1].offset), width - 2 - np.array(pads))
+
+
+def test_a_ragged_layer_out_of_step_with_the_others_raises():
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    toks, pads = _ragged(rng, rt.vocab_size, 2)
+    cache = rt.make_cache(pads, ragged=True)
+    rt.forward(toks, cache)
+    cache[0].rollback(mx.array([1, 0]))  # only the first layer
+    with pytest.raises(ValueError, match="out of step"):
+        cache[1].trim(1)

@@ -176,9 +176,11 @@ def rollback_streams(caches: Sequence[Any], counts: mx.array) -> None:
     Raises:
         ValueError: naming a layer that cannot roll streams back on their own.
     """
-    for name, c in _flat(caches):
+    flat = list(_flat(caches))
+    for name, c in flat:
         if not isinstance(c, RaggedKVCache):
             raise ValueError(f"caches[{name}] ({type(c).__name__}) cannot roll back single streams")
+    for _, c in flat:
         c.rollback(counts)
 
 

@@ -180,12 +180,15 @@ def build_runtime(
     return runtime
 
 
-def load(path: str | Path) -> MTPRuntime:
+def load(path: str | Path, *, fuse_cpu_ops: bool = True) -> MTPRuntime:
     """Loads a Hugging Face-style model folder into an MTP runtime.
 
     Args:
         path: folder with config.json, *.safetensors and optionally
             tokenizer.json.
+        fuse_cpu_ops: swap RMSNorm / RoPE modules for single-node fused ones
+            and route attention through the fused op while decoding
+            (`MTPRuntime.fuse_cpu_ops`; on a GPU stream they run `mx.fast`).
 
     Returns:
         The runtime; its head is None when the folder has no MTP weights.
@@ -207,7 +210,10 @@ def load(path: str | Path) -> MTPRuntime:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    return build_runtime(config, weights, tokenizer)
+    runtime = build_runtime(config, weights, tokenizer)
+    if fuse_cpu_ops:
+        runtime.fuse_cpu_ops()
+    return runtime
 
 
 def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
@@ -254,6 +260,7 @@ def init_random(
     seed: int = 0,
     *,
     head_layout: str | None | object = _DEFAULT,
+    fuse_cpu_ops: bool = False,
     **config_overrides: Any,
 ) -> MTPRuntime:
     """Makes a small random model of a family, float32, fast on a CPU.
@@ -264,6 +271,8 @@ def init_random(
         seed: seeds MLX's global random generator before initialisation.
         head_layout: "qwen3_next", "deepseek", "mimo", or None for no MTP
             head; defaults to the family's own layout.
+        fuse_cpu_ops: as in `load` (off by default here, so that random
+            test models are exactly mlx-lm's modules).
         **config_overrides: any config field (hidden_size, vocab_size, ...).
 
     Returns:
@@ -289,4 +298,6 @@ def init_random(
     hidden = int(trunk_lib.text_config(config)["hidden_size"])
     _spread_init(runtime, std=1.0 / math.sqrt(max(1, hidden // 16)))
     mx.eval(runtime.parameters())
+    if fuse_cpu_ops:
+        runtime.fuse_cpu_ops()
     return runtime

@@ -258,8 +258,16 @@ def _combined(runs: list[Run]) -> Run:
     )
 
 
-def _mlx_lm_run(rt: Any, prompts: list[list[int]], n: int) -> Run:
-    """mlx-lm's own greedy generation on the same trunk (the peer baseline).
+def mlx_lm_model(folder: Path) -> Any:
+    """The model as mlx-lm itself loads it (its own modules; MTP weights dropped)."""
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder, strict=False)
+    return model
+
+
+def _mlx_lm_run(trunk: Any, prompts: list[list[int]], n: int) -> Run:
+    """mlx-lm's own greedy generation of `trunk` (the peer baseline).
 
     Batch 1 uses `generate_step` (what `mlx_lm.generate` runs); larger batches
     `BatchGenerator` (what `mlx_lm.batch_generate` runs). Time counts from
@@ -271,12 +279,12 @@ def _mlx_lm_run(rt: Any, prompts: list[list[int]], n: int) -> Run:
     if len(prompts) == 1:
         out: list[int] = []
         t_first = None
-        for tok, _ in generate_step(mx.array(prompts[0]), rt.trunk, max_tokens=n):
+        for tok, _ in generate_step(mx.array(prompts[0]), trunk, max_tokens=n):
             out.append(int(tok))
             if t_first is None:
                 t_first = time.perf_counter()
         return Run(tokens=len(out), seconds=time.perf_counter() - t_first, outputs=[out])
-    gen = BatchGenerator(rt.trunk, max_tokens=n)
+    gen = BatchGenerator(trunk, max_tokens=n)
     uids = gen.insert(prompts, [n] * len(prompts))
     outs: dict[int, list[int]] = {u: [] for u in uids}
     t_first = None
@@ -336,13 +344,26 @@ def versions() -> dict[str, str]:
     }
 
 
-def run_bench(rt: Any, tok: Any, batches: list[int], n: int, repeats: int, progress: bool = True) -> dict:
-    """All methods at all batch sizes, interleaved per repeat; medians of repeats."""
+def run_bench(
+    rt: Any,
+    tok: Any,
+    batches: list[int],
+    n: int,
+    repeats: int,
+    progress: bool = True,
+    baseline: Any = None,
+) -> dict:
+    """All methods at all batch sizes, interleaved per repeat; medians of repeats.
+
+    `baseline` is the model mlx-lm's generation runs (default: rt's trunk);
+    give the one `mlx_lm_model` loads, so that it runs mlx-lm's own modules.
+    """
+    baseline = rt.trunk if baseline is None else baseline
     prompt_ids = _encode(tok, list(BENCH_PROMPTS))
     runners = {
         "mtp": lambda p: _engine_run(rt, p, n, True),
         "plain": lambda p: _engine_run(rt, p, n, False),
-        "mlx-lm": lambda p: _mlx_lm_run(rt, p, n),
+        "mlx-lm": lambda p: _mlx_lm_run(baseline, p, n),
     }
     total = len(batches) * len(METHODS) * (repeats + 1)
     bar = None
@@ -441,7 +462,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rt = load_model(args.model, need_mtp=True)
     tok = _tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
-    report = run_bench(rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress)
+    baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL)
+    report = run_bench(
+        rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline
+    )
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
     print(format_table(report))

@@ -31,6 +31,7 @@ All arrays stay on the device between cycles; the host only reads bundles.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -428,6 +429,11 @@ class _Streams:
             if self.on_commit is not None:
                 self.on_commit(i, new)
 
+    def may_all_finish(self, k: int) -> bool:
+        """Whether committing k more tokens would bring every live stream to its cap."""
+        live = ~self.done
+        return bool(np.all(self.count[live] + k >= self.max_new))
+
     def any_live(self) -> bool:
         return not bool(self.done.all())
 
@@ -474,15 +480,33 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             st.apply(commits)
             if not st.any_live():
                 return
+        elif not mtp or dec.rollback:
+            # Pipelined, and the next cycle depends only on device arrays
+            # (plain decoding, per-stream rollback): build and launch it
+            # before reading this one, so the device never waits for the
+            # host; unless this cycle may end every stream at its cap.
+            spec = _next_step(dec, p, mtp, False, res.cycles + 1)
+            early = not st.may_all_finish(2 if mtp else 1)
+            if early:
+                mx.async_eval(spec.bundle)
+            b = _read_bundle(p, st)
+            commits, repair = st.decide(*_split_bundle(b, mtp))
+            if not st.any_live():
+                st.apply(commits)
+                if early:
+                    # A stop token ended them early: the launched cycle is
+                    # wasted work, and the decode time includes it.
+                    mx.eval(spec.bundle)
+                return
+            if not early:
+                mx.async_eval(spec.bundle)
         else:
-            # Pipelined: while the device runs this cycle, build the next
-            # one along the likelier path (all accept, or repair: both need
-            # only device arrays). Start it once the bundle confirms the
-            # guess; else drop it unevaluated (no extra forward) and build
-            # the other path.
-            # (With per-stream rollback the next cycle does not depend on
-            # the bundle's host copy: the guess is always right.)
-            guess = mtp and not dec.rollback and repair_rate > 0.5
+            # Pipelined with uniform repair: while the device runs this
+            # cycle, build the next one along the likelier path (all accept,
+            # or repair: both need only device arrays). Start it once the
+            # bundle confirms the guess; else drop it unevaluated (no extra
+            # forward) and build the other path.
+            guess = repair_rate > 0.5
             ckpt = cache_state.checkpoint_caches(*dec.caches(), [dec.policy])
             spec = _next_step(dec, p, mtp, guess, res.cycles + 1)
             b = _read_bundle(p, st)
@@ -576,9 +600,18 @@ def generate_batched(
 
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
-    with wired_limit(runtime):
+    with wired_limit(runtime), _fused_attention(runtime):
         rollback = mtp and reject_mode == "repair" and not _has_recurrent_layers(runtime)
         return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback)
+
+
+def _fused_attention(runtime: Any) -> Any:
+    # Process-wide while decoding, so only for runtimes that opted in.
+    if getattr(runtime, "cpu_ops_fused", False):
+        from mtplx_ext.fused import patch_mlx_lm_attention  # noqa: PLC0415
+
+        return patch_mlx_lm_attention()
+    return contextlib.nullcontext()
 
 
 def _has_recurrent_layers(runtime: Any) -> bool:

@@ -12,6 +12,11 @@ Layout of stream b: slots [0, left_padding[b]) are prompt padding, slots
 [left_padding[b], ends[b]) its tokens; slots from ends[b] up to `size()`
 hold dropped drafts or nothing and are masked out (the next write to the
 stream overwrites them). `size()` is a host-side upper bound of the ends.
+
+The layers of one model advance in lockstep, so they share one
+`RaggedPositions`: the write slots, RoPE offsets and mask of a forward are
+built once for all layers instead of once per layer (on MLX's CPU backend a
+small decode forward is bound by the number of graph nodes).
 """
 
 from __future__ import annotations
@@ -22,42 +27,119 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 
+class RaggedPositions:
+    """Per-stream end slots shared by the layers of one cache list.
+
+    Every change (a forward's writes, a rollback, a trim) is applied by the
+    first layer that makes it and followed by the others: `tick` counts the
+    changes and each layer remembers the last one it took part in, so the
+    mlx-lm idiom of calling `trim` on every layer trims once.
+    """
+
+    def __init__(self, left_padding: list[int]):
+        self.left_padding = mx.array(left_padding, dtype=mx.int32)
+        self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
+        self.idx = 0  # host upper bound of the ends
+        self.ragged = False  # True once streams may end at different slots
+        self.tick = 0
+        self._offset: mx.array | None = None
+        # The change that led to `tick`: (kind, argument), and for a forward
+        # (slot before, write index [B, 1, T, 1] or None, offsets before).
+        self.last_change: tuple[str, Any] | None = None
+        self.last_forward: tuple[int, mx.array | None, mx.array] | None = None
+
+    def offset(self) -> mx.array:
+        """[B] RoPE position of each stream's next token (built once per tick)."""
+        if self._offset is None:
+            self._offset = self.ends - self.left_padding
+        return self._offset
+
+    def apply(self, kind: str, arg: Any) -> None:
+        """Makes a change: ("forward", T), ("rollback", counts) or ("trim", n)."""
+        if kind == "forward":
+            write = None
+            if self.ragged:
+                write = (self.ends[:, None] + mx.arange(arg, dtype=mx.int32))[:, None, :, None]
+            self.last_forward = (self.idx, write, self.offset())
+            self.ends = self.ends + arg
+            self.idx += arg
+        elif kind == "rollback":
+            self.ends = self.ends - arg.astype(mx.int32)
+            self.ragged = True
+        else:
+            self.idx -= arg
+            self.ends = self.ends - arg
+        self.last_change = (kind, arg)
+        self.tick += 1
+        self._offset = None
+
+
+def _same_change(last: tuple[str, Any] | None, kind: str, arg: Any) -> bool:
+    if last is None or last[0] != kind:
+        return False
+    # Rollback counts are device arrays: the same array object for all layers.
+    return last[1] is arg if isinstance(arg, mx.array) else last[1] == arg
+
+
 class RaggedKVCache(_BaseCache):
     """Batch KV cache with a device-side end slot per stream.
 
     Drop-in for `BatchKVCache` in mlx-lm attention layers: `offset` (the
     RoPE position of the next token, per stream), `update_and_fetch` and
-    `make_mask` (always an array mask [B, 1, N, S]).
+    `make_mask` (always an array mask [B, 1, N, S]). Make the caches of one
+    model with `make_ragged_caches` so that they share their positions.
 
     Args:
         left_padding: per-stream count of pad tokens on the left of the
             prompts (its length is the batch size).
+        positions: positions shared with the model's other layers (default:
+            this layer's own).
     """
 
     step = 256
 
-    def __init__(self, left_padding: list[int]):
+    def __init__(self, left_padding: list[int], positions: RaggedPositions | None = None):
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
-        self.left_padding = mx.array(left_padding, dtype=mx.int32)
-        self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
-        self._idx = 0
-        # True once streams may end at different slots (a rollback happened):
-        # writes then scatter per stream instead of one slice update.
-        self._ragged = False
+        self.positions = RaggedPositions(left_padding) if positions is None else positions
+        self._tick = self.positions.tick
+
+    @property
+    def left_padding(self) -> mx.array:
+        return self.positions.left_padding
+
+    @property
+    def ends(self) -> mx.array:
+        """[B] slot after each stream's last token."""
+        return self.positions.ends
 
     @property
     def offset(self) -> mx.array:
-        """[B] RoPE position of each stream's next token."""
-        return self.ends - self.left_padding
+        """[B] RoPE position of each stream's next token in this layer."""
+        p = self.positions
+        if self._tick == p.tick:
+            return p.offset()
+        return p.last_forward[2]  # a later layer of the forward that advanced
 
-    def _reserve(self, n: int, like_k: mx.array, like_v: mx.array) -> None:
-        need = self._idx + n
-        if self.keys is not None and need <= self.keys.shape[2]:
+    def _change(self, kind: str, arg: Any) -> None:
+        """Applies a change to the shared positions, or follows the layer that did."""
+        p = self.positions
+        if self._tick == p.tick:
+            p.apply(kind, arg)
+        elif self._tick != p.tick - 1 or not _same_change(p.last_change, kind, arg):
+            raise ValueError(
+                f"RaggedKVCache layers out of step: this layer's {kind} does not follow "
+                f"the last change of the layers sharing its positions ({p.last_change[0]})"
+            )
+        self._tick = p.tick
+
+    def _reserve(self, end: int, like_k: mx.array, like_v: mx.array) -> None:
+        if self.keys is not None and end <= self.keys.shape[2]:
             return
         B, H, _, Dk = like_k.shape
         Dv = like_v.shape[3]
-        grow = ((need - (0 if self.keys is None else self.keys.shape[2]) + self.step - 1) // self.step) * self.step
+        have = 0 if self.keys is None else self.keys.shape[2]
+        grow = ((end - have + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((B, H, grow, Dk), like_k.dtype)
         new_v = mx.zeros((B, H, grow, Dv), like_v.dtype)
         if self.keys is None:
@@ -68,70 +150,73 @@ class RaggedKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes [B, H, T, D] keys/values at each stream's end; returns the visible slots."""
+        p = self.positions
         T = keys.shape[2]
-        self._reserve(T, keys, values)
-        if self._ragged:
-            idx = (self.ends[:, None] + mx.arange(T, dtype=mx.int32))[:, None, :, None]
-            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(idx, keys.shape), keys, axis=2)
-            self.values = mx.put_along_axis(self.values, mx.broadcast_to(idx, values.shape), values, axis=2)
+        self._change("forward", T)
+        start, write, _ = p.last_forward
+        self._reserve(start + T, keys, values)
+        if write is None:
+            self.keys[..., start : start + T, :] = keys
+            self.values[..., start : start + T, :] = values
         else:
-            self.keys[..., self._idx : self._idx + T, :] = keys
-            self.values[..., self._idx : self._idx + T, :] = values
-        self.ends = self.ends + T
-        self._idx += T
-        return self.keys[..., : self._idx, :], self.values[..., : self._idx, :]
+            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(write, keys.shape), keys, axis=2)
+            self.values = mx.put_along_axis(self.values, mx.broadcast_to(write, values.shape), values, axis=2)
+        return self.keys[..., : p.idx, :], self.values[..., : p.idx, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
         """[B, 1, N, size() + N] bool: query t of stream b sees its slots up to ends[b] + t."""
         if window_size is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding-window attention")
-        slots = mx.arange(self._idx + N, dtype=mx.int32)
-        query_slots = self.ends[:, None] + mx.arange(N, dtype=mx.int32)
-        mask = (slots[None, None, :] <= query_slots[:, :, None]) & (
-            slots[None, None, :] >= self.left_padding[:, None, None]
-        )
+        p = self.positions
+        slots = mx.arange(p.idx + N, dtype=mx.int32)
+        query_slots = p.ends[:, None] + mx.arange(N, dtype=mx.int32)
+        mask = (slots[None, None, :] <= query_slots[:, :, None]) & (slots[None, None, :] >= p.left_padding[:, None, None])
         return mask[:, None]
 
     def rollback(self, counts: mx.array) -> None:
-        """Drops the last counts[b] tokens of each stream b ([B] int, on the device)."""
-        self.ends = self.ends - counts.astype(mx.int32)
-        self._ragged = True
+        """Drops the last counts[b] tokens of each stream b ([B] int, on the device).
+
+        Acts on the positions shared by the model's layers: the first layer
+        called rolls them back, the others follow.
+        """
+        self._change("rollback", counts)
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
-        """Drops the last `n` tokens of every stream."""
-        n = min(self._idx, n)
-        self._idx -= n
-        self.ends = self.ends - n
+        """Drops the last `n` tokens of every stream (shared as `rollback` is)."""
+        p = self.positions
+        if self._tick == p.tick:
+            n = min(p.idx, n)
+        elif p.last_change is not None and p.last_change[0] == "trim":
+            n = p.last_change[1]  # the first layer's (clamped) count
+        self._change("trim", n)
         return n
 
     def size(self) -> int:
-        return self._idx
+        return self.positions.idx
 
     def empty(self) -> bool:
         return self.keys is None
 
     @property
     def state(self) -> tuple:
-        return self.keys, self.values, self.ends, self.left_padding
+        return self.keys, self.values, self.positions.ends
 
     @state.setter
     def state(self, v: tuple) -> None:
-        self.keys, self.values, self.ends, self.left_padding = v
-
-    @property
-    def meta_state(self) -> tuple:
-        return (str(self._idx), str(int(self._ragged)))
-
-    @meta_state.setter
-    def meta_state(self, v: tuple) -> None:
-        self._idx, self._ragged = int(v[0]), bool(int(v[1]))
+        self.keys, self.values, self.positions.ends = v
 
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-__all__ = ["RaggedKVCache"]
+def make_ragged_caches(n: int, left_padding: list[int]) -> list[RaggedKVCache]:
+    """`n` layer caches sharing one `RaggedPositions`."""
+    positions = RaggedPositions(left_padding)
+    return [RaggedKVCache(left_padding, positions) for _ in range(n)]
+
+
+__all__ = ["RaggedKVCache", "RaggedPositions", "make_ragged_caches"]

@@ -63,10 +63,35 @@ class MTPRuntime(nn.Module):
         self.model_type = str(config["model_type"])
         self.head_layout = head.layout if head is not None else None
         self.vocab_size = int(trunk_lib.text_config(config)["vocab_size"])
+        object.__setattr__(self, "_cpu_ops_fused", False)
 
     @property
     def config(self) -> dict:
         return self._config
+
+    @property
+    def cpu_ops_fused(self) -> bool:
+        """Whether `fuse_cpu_ops` ran (decoding then routes attention too)."""
+        return self._cpu_ops_fused
+
+    def fuse_cpu_ops(self) -> int:
+        """Swaps RMSNorm / RoPE modules of trunk and head for fused ones, in place.
+
+        On MLX's CPU backend `mx.fast.rms_norm`, `rope` and attention expand
+        into graphs of 8-20 nodes each, and a small decode forward is bound
+        by per-node overhead; the fused modules are one node each (on a GPU
+        stream they run `mx.fast`). Decoding also routes mlx-lm's attention
+        through the fused op while it runs. Same weights, same results up to
+        float32 rounding.
+
+        Returns:
+            The number of modules swapped.
+        """
+        from mtplx_ext.fused import fuse_cpu_ops
+
+        n = fuse_cpu_ops(self)
+        object.__setattr__(self, "_cpu_ops_fused", True)
+        return n
 
     @property
     def has_mtp(self) -> bool:

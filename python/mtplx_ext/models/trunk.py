@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.utils import MODEL_REMAPPING
 
-from mtplx_ext.ragged_cache import RaggedKVCache
+from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
 
 # Families whose attention applies the mask with mx.where and so needs an
 # array mask, never the "causal" string.
@@ -149,9 +149,13 @@ def make_trunk_cache(trunk: nn.Module, left_padding: list[int], ragged: bool = F
 def make_layer_caches(layers: list[nn.Module], left_padding: list[int], ragged: bool = False) -> list[Any]:
     """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`
     (`RaggedKVCache` when `ragged`: per-stream rollback without a re-forward)."""
-    kv = RaggedKVCache if ragged else BatchKVCache
+    positions = RaggedPositions(list(left_padding)) if ragged else None
     return [
-        ArraysCache(size=2, left_padding=list(left_padding)) if is_recurrent(l) else kv(list(left_padding))
+        ArraysCache(size=2, left_padding=list(left_padding))
+        if is_recurrent(l)
+        else RaggedKVCache(list(left_padding), positions)
+        if ragged
+        else BatchKVCache(list(left_padding))
         for l in layers
     ]
 
