@@ -105,7 +105,8 @@ def params_np(rt) -> dict[str, np.ndarray]:
 def test_save_load_round_trip_is_bit_exact(tmp_path, seed, case):
     rt = randomized(*case, seed)
     rt.save(tmp_path)
-    back = mtplx_ext.load(tmp_path)
+    # Unfused, so that the same modules run the same float operations.
+    back = mtplx_ext.load(tmp_path, fuse_cpu_ops=False)
     assert (back.model_type, back.head_layout, back.hidden_source) == (
         rt.model_type, rt.head_layout, rt.hidden_source
     )
@@ -117,6 +118,13 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, seed, case):
     (l1, h1), (l2, h2) = rt.forward(tokens), back.forward(tokens)
     assert mx.array_equal(l1, l2).item() and mx.array_equal(h1, h2).item()
     assert mx.array_equal(rt.head_forward(h1, tokens), back.head_forward(h2, tokens)).item()
+    # The default, fused load computes the same logits up to float32 rounding.
+    fused = mtplx_ext.load(tmp_path)
+    assert fused.cpu_ops_fused and not back.cpu_ops_fused
+    lf, hf = fused.forward(tokens)
+    np.testing.assert_allclose(np.array(lf), np.array(l1), rtol=1e-3, atol=1e-3)
+    hl_fused, hl = fused.head_forward(hf, tokens), rt.head_forward(h1, tokens)
+    np.testing.assert_allclose(np.array(hl_fused), np.array(hl), rtol=1e-3, atol=1e-3)
     # Saving the loaded model again writes the same tensors.
     back.save(tmp_path / "again")
     f1, f2 = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
@@ -230,7 +238,7 @@ def test_nested_text_config_loads_like_flat_config(tmp_path, seed):
     nested = {k: flat[k] for k in keep}
     nested["text_config"] = {k: v for k, v in flat.items() if k not in keep}
     (tmp_path / "config.json").write_text(json.dumps(nested))
-    back = mtplx_ext.load(tmp_path)
+    back = mtplx_ext.load(tmp_path, fuse_cpu_ops=False)
     assert back.vocab_size == rt.vocab_size and back.head_layout == "qwen3_next"
     tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 5)), dtype=mx.int32)
     (l1, h1), (l2, h2) = rt.forward(tokens), back.forward(tokens)
