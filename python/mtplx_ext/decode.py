@@ -153,7 +153,10 @@ class GreedyPolicy:
         return mx.where(b[:, COL_ACCEPT] < 0, INVALID, b[:, COL_SECOND])
 
     def draft(self, head_logits: mx.array, step: int = 0) -> tuple[mx.array, Any]:
-        return self.pick(head_logits), None
+        # A plain argmax: a draft from unusable head logits is only a wrong
+        # proposal, which verification rejects (or flags when the target's
+        # logits are unusable too).
+        return mx.argmax(head_logits, axis=-1).astype(mx.int32), None
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: int = 0) -> mx.array:
         return verify_greedy(verify_logits, tokens)
