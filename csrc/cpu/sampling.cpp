@@ -1292,7 +1292,7 @@ void SampleTokens::eval_cpu(
     int32_t* o = out.data<int32_t>();
     // Rows are independent: each task writes o[b] alone and builds in the
     // scratch of the thread that runs it.
-    auto row = [&](int b) {
+    auto run_row = [&](int b) {
       cpu::RowDistBuilder& builder = cached_builder(0, V);
       int64_t ex[2] = {-1, -1};
       for (int e = 0; e < E && e < 2; ++e) {
@@ -1314,7 +1314,7 @@ void SampleTokens::eval_cpu(
     for (int b = 0; b < B; ++b) {
       cost += build_cost_ns(params + size_t(b) * kParamCols, V);
     }
-    cpu::parallel_for(B, row_threads(B, cost), row);
+    cpu::parallel_for(B, row_threads(B, cost), run_row);
   });
 }
 
@@ -1350,7 +1350,7 @@ void VerifySampled::eval_cpu(
     int32_t* o = out.data<int32_t>();
     // Rows are independent: each task writes its bundle row alone and builds
     // in the scratch of the thread that runs it.
-    auto row = [&](int b) {
+    auto run_row = [&](int b) {
       int32_t* row = o + size_t(b) * kBundleCols;
       const int64_t x0 = read_id(tokens, size_t(b) * 2);
       const int64_t d = read_id(tokens, size_t(b) * 2 + 1);
@@ -1415,7 +1415,7 @@ void VerifySampled::eval_cpu(
     for (int b = 0; b < B; ++b) {
       cost += 3 * build_cost_ns(params + size_t(b) * kParamCols, V);
     }
-    cpu::parallel_for(B, row_threads(B, cost), row);
+    cpu::parallel_for(B, row_threads(B, cost), run_row);
   });
 }
 
