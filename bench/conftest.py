@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
+import mtplx_ext  # first: loads the fast BLAS before mlx.core
 
+import os
 from collections import defaultdict
 
 import pytest
@@ -30,10 +31,21 @@ def pytest_terminal_summary(terminalreporter):
         return
     tr = terminalreporter
     tr.section("speed ratios (median time of baseline / median time of fused)")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    tr.write_line(
+        f"CPU kernel threads: {mtplx_ext._ext._cpu_threads()} (fused); "
+        f"fused_1thread: 1; load average at the end: {load}"
+    )
     for (table, case), impls in sorted(MEDIANS.items()):
         fused = impls.get("fused")
+        single = impls.get("fused_1thread")
         parts = [f"fused {fused * 1e3:.3f} ms" if fused else "fused -"]
+        if single:
+            parts.append(f"fused_1thread {single * 1e3:.3f} ms")
         for name in BASELINES:
             if name in impls and fused:
-                parts.append(f"{name} {impls[name] * 1e3:.3f} ms ({impls[name] / fused:.1f}x)")
+                ratio = f"{impls[name] / fused:.1f}x"
+                if single:
+                    ratio += f"; 1 thread {impls[name] / single:.1f}x"
+                parts.append(f"{name} {impls[name] * 1e3:.3f} ms ({ratio})")
         tr.write_line(f"{table:14s} {case:28s} " + "  ".join(parts))

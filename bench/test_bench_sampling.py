@@ -4,6 +4,11 @@ One sampled MTP verification per stream: target p at the draft position, the
 draft distribution q, accept / residual draw, bonus draw; V = 151936 with
 top-k and top-p on (Qwen's recommended sampler: T 0.7, top-k 20, top-p 0.8)
 and, as a harder case, top-p alone (the kept set can then be large).
+
+`fused` runs with the CPU kernels' worker pool at its configured thread count
+(MTPLX_CPU_THREADS, default the usable CPUs up to 8); `fused_1thread` is the
+same primitive with the pool off (as MTPLX_CPU_THREADS=1). The host float64
+path is NumPy on one thread.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import numpy as np
 import pytest
 
 import mtplx_ext
+from mtplx_ext import _ext
 from mtplx_ext.sampling import SamplerConfig, pack_params, sample_mtp_row_cycle
 
 V = 151936
@@ -103,7 +109,7 @@ def composed_mlx(vl: mx.array, dl: mx.array, tokens: mx.array, u: mx.array, cfg:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("B", [1, 8, 32])
-@pytest.mark.parametrize("impl", ["fused", "composed_mlx", "host_float64"])
+@pytest.mark.parametrize("impl", ["fused", "fused_1thread", "composed_mlx", "host_float64"])
 def test_verify_sampled_speed(record, impl, B, config):
     cfg = CONFIGS[config]
     rng = np.random.default_rng(0)
@@ -124,7 +130,7 @@ def test_verify_sampled_speed(record, impl, B, config):
     for b in range(B):
         cyc = sample_mtp_row_cycle(vh[b], dh[b], int(tok_h[b, 0]), int(tok_h[b, 1]), cfg, u_h[b])
         assert (fused[b, 2], fused[b, 3]) == (cyc.second_token, int(cyc.accepted))
-    if impl == "fused":
+    if impl in ("fused", "fused_1thread"):
         fn = lambda: mx.eval(mtplx_ext.verify_sampled(vl, dl, tokens, u, params))  # noqa: E731
         rounds = 30
     elif impl == "composed_mlx":
@@ -133,4 +139,8 @@ def test_verify_sampled_speed(record, impl, B, config):
     else:
         fn = lambda: host_float64(vl, dl, tok_h, u_h, cfg)  # noqa: E731
         rounds = 10
-    record("verify_sampled", f"B={B} {config}", impl, fn, rounds=rounds)
+    previous = _ext._set_cpu_threads(1 if impl == "fused_1thread" else 0)
+    try:
+        record("verify_sampled", f"B={B} {config}", impl, fn, rounds=rounds)
+    finally:
+        _ext._set_cpu_threads(previous)

@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
+#include "cpu/thread_pool.h"
 #include "sampling_ops.h"
 
 namespace nb = nanobind;
@@ -34,6 +35,14 @@ void bind_sampling(nb::module_& m) {
       nb::kw_only(),
       "variant"_a = 0,
       "stream"_a = nb::none());
+
+  // Internal: the CPU kernels' thread count (MTPLX_CPU_THREADS or the
+  // default; raises ValueError when the variable is invalid), an override
+  // for tests and benchmarks (0 clears it; returns the previous override)
+  // and how many jobs the worker pool has run.
+  m.def("_cpu_threads", &cpu::cpu_threads);
+  m.def("_set_cpu_threads", &cpu::set_cpu_threads, "n"_a);
+  m.def("_cpu_pool_jobs", &cpu::pool_jobs);
 }
 
 } // namespace mtplx

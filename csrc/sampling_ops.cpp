@@ -3,6 +3,7 @@
 #include <string>
 
 #include "arg_checks.h"
+#include "cpu/thread_pool.h"
 #include "mlx/ops.h"
 #include "mtplx_rules.h"
 #include "sampling_primitives.h"
@@ -40,6 +41,14 @@ mx::array counts_input(const mx::array& a, int B, int V, mx::Stream st) {
   return mx::contiguous(t, false, st);
 }
 
+// A bad MTPLX_CPU_THREADS fails here, where it can raise, rather than in
+// the kernel (which then runs on one thread).
+void check_cpu_threads(const mx::Stream& st) {
+  if (st.device == mx::Device::cpu) {
+    cpu::cpu_threads();
+  }
+}
+
 } // namespace
 
 mx::array sample_tokens(
@@ -63,6 +72,7 @@ mx::array sample_tokens(
   require_shape("uniforms", uniforms, {B}, "[B]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
   auto st = mx::to_stream(s);
+  check_cpu_threads(st);
   std::vector<mx::array> inputs = {
       mx::contiguous(logits, false, st),
       float_input("uniforms", uniforms, st),
@@ -120,6 +130,7 @@ mx::array verify_sampled(
     bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
   }
   auto st = mx::to_stream(s);
+  check_cpu_threads(st);
   std::vector<mx::array> inputs = {
       mx::contiguous(verify_logits, false, st),
       mx::contiguous(draft_logits, false, st),

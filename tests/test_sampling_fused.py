@@ -202,6 +202,81 @@ def test_verify_sampled_matches_float64_row_cycle(rng, dtype):
     assert 0 < accepted < compared  # both branches exercised
 
 
+def _compare_sample_tokens(rng, logits, counts, extra, cfgs) -> tuple[int, int]:
+    """sample_tokens vs the float64 reference on every row; (compared, skipped)."""
+    B, V = logits.shape
+    u = rng.random(B).astype(np.float32)
+    out = np.array(
+        mtplx_ext.sample_tokens(
+            logits, mx.array(u), cfgs, token_counts=mx.array(counts), extra_tokens=mx.array(extra)
+        )
+    )
+    lg = host(logits)
+    compared = skipped = 0
+    for b in range(B):
+        c = counts_with(counts[b], V, [t for t in extra[b] if t >= 0])
+        p = transform_row(lg[b], cfgs[b], c).p
+        if kept_ambiguous(lg[b], cfgs[b], c) or cdf_ambiguous(p, u[b]):
+            skipped += 1
+            continue
+        compared += 1
+        assert out[b] == sample_from(p, u[b]), (V, b, cfgs[b])
+    return compared, skipped
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_top_k_with_penalised_tokens_around_the_cut_matches_reference(rng, dtype):
+    # The sparse top-k scan skips penalised tokens and adds them back: put
+    # counts on tokens near the top so that penalties move them across the
+    # top-k cut in both directions (a negative presence penalty lifts them).
+    B, V = 12, 151936
+    x = rng.normal(size=(B, V)) * 3
+    logits = mx.array(x.astype(np.float32)).astype(DTYPES[dtype])
+    counts = np.zeros((B, V), np.int32)
+    order = np.argsort(-x, axis=1)
+    for b in range(B):
+        near_top = order[b, rng.choice(200, size=30, replace=False)]
+        counts[b, near_top] = rng.integers(1, 4, size=30)
+        counts[b, rng.integers(V, size=50)] += 1
+    extra = np.stack([order[:, 0], rng.integers(-1, V, size=B)], 1).astype(np.int32)
+    cfgs = [
+        SamplerConfig(
+            temperature=float(rng.choice([0.7, 1.0])),
+            top_k=int(rng.choice([1, 5, 20, 100])),
+            top_p=float(rng.choice([1.0, 0.8])),
+            presence_penalty=float(rng.choice([-1.5, 0.0, 1.0])),
+            frequency_penalty=float(rng.choice([0.0, 0.3])),
+            repetition_penalty=float(rng.choice([1.0, 1.3])),
+        )
+        for _ in range(B)
+    ]
+    compared, skipped = _compare_sample_tokens(rng, logits, counts, extra, cfgs)
+    assert skipped <= 1 and compared >= B - 1
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_top_k_with_many_ties_at_the_cut_matches_reference(rng, dtype):
+    # Few distinct logit values: the k-th largest key has many ties (all of
+    # them kept as candidates, or too many for the sparse path's buffer).
+    B, V = 16, 40000
+    levels = rng.integers(0, 6, size=(B, V)).astype(np.float64)
+    levels[:, rng.integers(V, size=5)] = 7.0  # a few tokens above the rest
+    logits = mx.array(levels.astype(np.float32)).astype(DTYPES[dtype])
+    counts = random_counts(rng, B, V)
+    extra = rng.integers(-1, V, size=(B, 2)).astype(np.int32)
+    cfgs = [
+        SamplerConfig(
+            temperature=1.0,
+            top_k=int(rng.choice([1, 3, 20, 300, 3000])),
+            top_p=float(rng.choice([1.0, 0.9])),
+            repetition_penalty=float(rng.choice([1.0, 1.2])),
+        )
+        for _ in range(B)
+    ]
+    compared, skipped = _compare_sample_tokens(rng, logits, counts, extra, cfgs)
+    assert skipped <= 1 and compared >= B - 1
+
+
 def _edge_inputs(rng, V=40):
     vl = rng.normal(size=(1, 2, V)).astype(np.float32)
     dl = rng.normal(size=(1, V)).astype(np.float32)

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "cpu/row_argmax.h"
+#include "cpu/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mtplx_rules.h"
 #include "sampling_primitives.h"
@@ -126,10 +127,29 @@ MTPLX_CLONES double lane_sum(const double* x, int n) {
       ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-MTPLX_CLONES void exp_dense(const double* z, double zmax, double* w, int n) {
-  for (int i = 0; i < n; ++i) {
-    w[i] = exp_nonpos(z[i] - zmax);
+// w[i] = exp(z[i] - zmax), returning lane_sum(w, n) (same lanes, same
+// order of additions, so the same bits).
+MTPLX_CLONES double exp_dense_sum(
+    const double* z,
+    double zmax,
+    double* w,
+    int n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const double e = exp_nonpos(z[i + j] - zmax);
+      w[i + j] = e;
+      acc[j] += e;
+    }
   }
+  for (int j = 0; i + j < n; ++j) {
+    const double e = exp_nonpos(z[i + j] - zmax);
+    w[i + j] = e;
+    acc[j] += e;
+  }
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
+      ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 // ---- Step 1 and 2: z = penalised(l) / T, with the max and min of z.
@@ -447,111 +467,251 @@ int keep_prefix(
 // Without penalties z = l / T orders tokens exactly as the raw logits do
 // (distinct float16/bfloat16/float32 values stay distinct and ordered after a
 // double division), so the k largest raw keys, ties at the threshold
-// included, contain the top-k of z. Penalised tokens are added separately.
+// included, contain the top-k of z. Penalised tokens are added separately,
+// and the scan skips them: a token left out of the k largest keys among the
+// unpenalised ones has k unpenalised tokens strictly above it in z as well.
 // Result of a raw top-k scan.
 enum class RawTop { kOk, kFallback, kInvalid };
 
+// The (key, token) candidates of a scan: every key at or above `thr`, where
+// thr is the k-th largest key among the candidates at the last shrink. The
+// final set (all keys at or above the k-th largest of the row) does not
+// depend on when shrinks happen; shrinking long before the buffer is full
+// keeps the threshold near the k-th largest key seen so far, so that few
+// blocks of the scan take the scalar path.
+class TopCollector {
+ public:
+  // Tokens in `skip` (ascending) are never candidates.
+  TopCollector(
+      std::vector<std::pair<int, int>>& buf,
+      int k,
+      const std::vector<int>& skip)
+      : buf_(buf),
+        skip_(skip),
+        k_(k),
+        cap_(size_t(std::max(4 * k, 1024))),
+        trigger_(std::min(cap_, size_t(2 * k + 64))) {
+    buf_.clear();
+    buf_.reserve(cap_ + 128);
+  }
+
+  int threshold() const {
+    return thr_;
+  }
+  bool ties_ok() const {
+    return ties_ok_;
+  }
+
+  // Takes the keys at or above the threshold among x[i0, i0 + n); true when
+  // the threshold changed.
+  template <class K>
+  MTPLX_INLINE bool take(const typename K::bits_t* x, int i0, int n) {
+    for (int j = 0; j < n; ++j) {
+      int kj = K::key(x[i0 + j]);
+      if (kj >= thr_ && !skipped(i0 + j)) {
+        buf_.emplace_back(kj, i0 + j);
+      }
+    }
+    if (buf_.size() >= trigger_) {
+      ties_ok_ = shrink();
+      return true;
+    }
+    return false;
+  }
+
+  // The final shrink; false when ties make the sparse path unsuitable.
+  bool finish() {
+    if (ties_ok_ && int(buf_.size()) > k_) {
+      ties_ok_ = shrink();
+    }
+    return ties_ok_;
+  }
+
+ private:
+  bool shrink() {
+    // Keep the k largest keys and every tie of the k-th.
+    std::nth_element(
+        buf_.begin(),
+        buf_.begin() + (k_ - 1),
+        buf_.end(),
+        [](auto& a, auto& b) { return a.first > b.first; });
+    thr_ = buf_[k_ - 1].first;
+    size_t on = 0;
+    for (size_t q = 0; q < buf_.size(); ++q) {
+      if (buf_[q].first >= thr_) {
+        buf_[on++] = buf_[q];
+      }
+    }
+    buf_.resize(on);
+    trigger_ = std::min(cap_, 2 * on + 64);
+    return on <= cap_ / 2; // false: too many ties for this path
+  }
+
+  bool skipped(int token) const {
+    return !skip_.empty() &&
+        std::binary_search(skip_.begin(), skip_.end(), token);
+  }
+
+  std::vector<std::pair<int, int>>& buf_;
+  const std::vector<int>& skip_;
+  int k_;
+  size_t cap_;
+  size_t trigger_;
+  int thr_ = std::numeric_limits<int>::min();
+  bool ties_ok_ = true;
+};
+
+// 16-bit logits: blocks of four 32-byte vectors of keys. The same scan
+// gathers the row's largest and smallest keys: the validity rule of
+// mtplx_rules.h needs nothing else.
 template <class K>
-MTPLX_INLINE RawTop raw_top_impl(
+MTPLX_INLINE RawTop raw_top_keys(
     const typename K::bits_t* x,
     int V,
     int k,
+    const std::vector<int>& skip,
     std::vector<std::pair<int, int>>& buf) {
-  buf.clear();
-  const size_t cap = size_t(std::max(4 * k, 1024));
-  buf.reserve(cap + 64);
-  int thr = std::numeric_limits<int>::min();
-  bool ties_ok = true;
-  auto shrink = [&]() {
-    // Keep the k largest keys and every tie of the k-th.
-    std::nth_element(
-        buf.begin(), buf.begin() + (k - 1), buf.end(), [](auto& a, auto& b) {
-          return a.first > b.first;
-        });
-    thr = buf[k - 1].first;
-    size_t on = 0;
-    for (size_t q = 0; q < buf.size(); ++q) {
-      if (buf[q].first >= thr) {
-        buf[on++] = buf[q];
-      }
-    }
-    buf.resize(on);
-    return on <= cap / 2; // false: too many ties for this path
-  };
-  // The same scan gathers the row's largest and smallest keys: the validity
-  // rule of mtplx_rules.h needs nothing else.
-  constexpr int L = 32;
-  int hi[L], lo[L];
-  for (int j = 0; j < L; ++j) {
-    hi[j] = std::numeric_limits<int>::min();
-    lo[j] = std::numeric_limits<int>::max();
-  }
+  using KV = KeyVec<K>;
+  using key_t = typename KV::key_t;
+  using vec = typename KV::vec;
+  typedef uint64_t u64x4 __attribute__((vector_size(32)));
+  constexpr int L = KV::lanes;
+  constexpr int kBlock = 4 * L;
+  TopCollector top(buf, k, skip);
+  vec hi0 = vec{} + std::numeric_limits<key_t>::min(), hi1 = hi0;
+  vec lo0 = vec{} + std::numeric_limits<key_t>::max(), lo1 = lo0;
+  vec tv = vec{} + std::numeric_limits<key_t>::min();
   int i = 0;
-  for (; i + L <= V; i += L) {
-    int any = 0;
-    for (int j = 0; j < L; ++j) {
-      int kj = K::key(x[i + j]);
-      hi[j] = kj > hi[j] ? kj : hi[j];
-      lo[j] = kj < lo[j] ? kj : lo[j];
-      any |= int(kj >= thr);
-    }
-    if (!any || !ties_ok) {
-      continue;
-    }
-    for (int j = 0; j < L; ++j) {
-      int kj = K::key(x[i + j]);
-      if (kj >= thr) {
-        buf.emplace_back(kj, i + j);
-      }
-    }
-    if (buf.size() >= cap) {
-      ties_ok = shrink();
+  for (; i + kBlock <= V; i += kBlock) {
+    vec k0 = KV::load_keys(x + i);
+    vec k1 = KV::load_keys(x + i + L);
+    vec k2 = KV::load_keys(x + i + 2 * L);
+    vec k3 = KV::load_keys(x + i + 3 * L);
+    vec a = k0 > k1 ? k0 : k1;
+    vec b = k2 > k3 ? k2 : k3;
+    vec c = k0 < k1 ? k0 : k1;
+    vec d = k2 < k3 ? k2 : k3;
+    hi0 = a > hi0 ? a : hi0;
+    hi1 = b > hi1 ? b : hi1;
+    lo0 = c < lo0 ? c : lo0;
+    lo1 = d < lo1 ? d : lo1;
+    u64x4 hit = (u64x4)((a >= tv) | (b >= tv));
+    if ((hit[0] | hit[1] | hit[2] | hit[3]) && top.ties_ok() &&
+        top.template take<K>(x, i, kBlock)) {
+      tv = vec{} + key_t(top.threshold());
     }
   }
-  for (int j = 0; i + j < V; ++j) {
-    int kj = K::key(x[i + j]);
-    hi[j] = kj > hi[j] ? kj : hi[j];
-    lo[j] = kj < lo[j] ? kj : lo[j];
-    if (kj >= thr && ties_ok) {
-      buf.emplace_back(kj, i + j);
-    }
-  }
-  int h = hi[0], m = lo[0];
+  hi0 = hi1 > hi0 ? hi1 : hi0;
+  lo0 = lo1 < lo0 ? lo1 : lo0;
+  int h = hi0[0], m = lo0[0];
   for (int j = 1; j < L; ++j) {
-    h = hi[j] > h ? hi[j] : h;
-    m = lo[j] < m ? lo[j] : m;
+    h = hi0[j] > h ? int(hi0[j]) : h;
+    m = lo0[j] < m ? int(lo0[j]) : m;
+  }
+  for (int j = i; j < V; ++j) {
+    int kj = K::key(x[j]);
+    h = kj > h ? kj : h;
+    m = kj < m ? kj : m;
   }
   if (!row_is_valid(h, m, K::pos_inf(), K::neg_inf())) {
     return RawTop::kInvalid;
   }
-  if (ties_ok && int(buf.size()) > k) {
-    ties_ok = shrink();
+  if (i < V && top.ties_ok()) {
+    top.template take<K>(x, i, V - i);
   }
-  return ties_ok ? RawTop::kOk : RawTop::kFallback;
+  return top.finish() ? RawTop::kOk : RawTop::kFallback;
+}
+
+// float32 logits: the block filter and the extremes compare floats directly
+// (fewer instructions per vector than keys; for non-NaN values float order is
+// key order with -0 == +0). NaN is caught by x != x, +Inf / all -Inf by the
+// largest value; the candidates themselves are still chosen on keys.
+MTPLX_INLINE RawTop raw_top_floats(
+    const uint32_t* xb,
+    int V,
+    int k,
+    const std::vector<int>& skip,
+    std::vector<std::pair<int, int>>& buf) {
+  typedef float vf __attribute__((vector_size(32)));
+  typedef int32_t vi __attribute__((vector_size(32)));
+  typedef uint64_t u64x4 __attribute__((vector_size(32)));
+  constexpr int L = 8;
+  constexpr int kBlock = 4 * L;
+  constexpr float inf = std::numeric_limits<float>::infinity();
+  const float* x = reinterpret_cast<const float*>(xb);
+  TopCollector top(buf, k, skip);
+  vf hi0 = vf{} - inf, hi1 = hi0;
+  vi nan0 = vi{}, nan1 = vi{};
+  vf tv = vf{} - inf; // every non-NaN value passes until the first shrink
+  int i = 0;
+  for (; i + kBlock <= V; i += kBlock) {
+    vf v0, v1, v2, v3;
+    std::memcpy(&v0, x + i, sizeof(vf));
+    std::memcpy(&v1, x + i + L, sizeof(vf));
+    std::memcpy(&v2, x + i + 2 * L, sizeof(vf));
+    std::memcpy(&v3, x + i + 3 * L, sizeof(vf));
+    nan0 |= (v0 != v0) | (v1 != v1);
+    nan1 |= (v2 != v2) | (v3 != v3);
+    vf a = v0 > v1 ? v0 : v1;
+    vf b = v2 > v3 ? v2 : v3;
+    hi0 = a > hi0 ? a : hi0;
+    hi1 = b > hi1 ? b : hi1;
+    u64x4 hit = (u64x4)((v0 >= tv) | (v1 >= tv) | (v2 >= tv) | (v3 >= tv));
+    if ((hit[0] | hit[1] | hit[2] | hit[3]) && top.ties_ok() &&
+        top.take<F32Key>(xb, i, kBlock)) {
+      // The threshold as a float (a NaN threshold only arises in an invalid
+      // row, whose candidates are never used).
+      const int t = top.threshold();
+      tv = vf{} +
+          std::bit_cast<float>(uint32_t(t ^ ((t >> 31) & 0x7FFFFFFF)));
+    }
+  }
+  hi0 = hi1 > hi0 ? hi1 : hi0;
+  nan0 |= nan1;
+  float h = -inf;
+  bool nan = false;
+  for (int j = 0; j < L; ++j) {
+    h = hi0[j] > h ? hi0[j] : h;
+    nan |= nan0[j] != 0;
+  }
+  for (int j = i; j < V; ++j) {
+    h = x[j] > h ? x[j] : h;
+    nan |= x[j] != x[j];
+  }
+  if (nan || !(h < inf) || !(h > -inf)) {
+    return RawTop::kInvalid;
+  }
+  if (i < V && top.ties_ok()) {
+    top.take<F32Key>(xb, i, V - i);
+  }
+  return top.finish() ? RawTop::kOk : RawTop::kFallback;
 }
 
 MTPLX_CLONES RawTop raw_top_f32(
     const uint32_t* x,
     int V,
     int k,
+    const std::vector<int>& skip,
     std::vector<std::pair<int, int>>& buf) {
-  return raw_top_impl<F32Key>(x, V, k, buf);
+  return raw_top_floats(x, V, k, skip, buf);
 }
 
 MTPLX_CLONES RawTop raw_top_f16(
     const uint16_t* x,
     int V,
     int k,
+    const std::vector<int>& skip,
     std::vector<std::pair<int, int>>& buf) {
-  return raw_top_impl<F16Key>(x, V, k, buf);
+  return raw_top_keys<F16Key>(x, V, k, skip, buf);
 }
 
 MTPLX_CLONES RawTop raw_top_bf16(
     const uint16_t* x,
     int V,
     int k,
+    const std::vector<int>& skip,
     std::vector<std::pair<int, int>>& buf) {
-  return raw_top_impl<BF16Key>(x, V, k, buf);
+  return raw_top_keys<BF16Key>(x, V, k, skip, buf);
 }
 
 // Tokens with a positive count, ascending.
@@ -649,20 +809,35 @@ int RowDistBuilder::sparse_top_k(
     const RowSampler& s,
     int k,
     bool penalised,
+    const std::vector<int>* penalty_base,
     int& n) {
   const int V = V_;
   seen_.clear();
   if (penalised) {
-    if (counts) {
-      positive_counts(counts, V, seen_);
-    }
-    for (int64_t e : {extra0, extra1}) {
-      if (e >= 0 && e < V) {
-        auto at = std::lower_bound(seen_.begin(), seen_.end(), int(e));
-        seen_.insert(at, int(e));
+    // base_: the tokens of counts and extra0, ascending and unique (taken
+    // from the caller when it has them for the same counts and extra0).
+    if (penalty_base) {
+      base_.assign(penalty_base->begin(), penalty_base->end());
+    } else {
+      base_.clear();
+      if (counts) {
+        positive_counts(counts, V, base_);
+      }
+      if (extra0 >= 0 && extra0 < V) {
+        auto at = std::lower_bound(base_.begin(), base_.end(), int(extra0));
+        if (at == base_.end() || *at != int(extra0)) {
+          base_.insert(at, int(extra0));
+        }
       }
     }
-    seen_.erase(std::unique(seen_.begin(), seen_.end()), seen_.end());
+    base_valid_ = true;
+    seen_.assign(base_.begin(), base_.end());
+    if (extra1 >= 0 && extra1 < V) {
+      auto at = std::lower_bound(seen_.begin(), seen_.end(), int(extra1));
+      if (at == seen_.end() || *at != int(extra1)) {
+        seen_.insert(at, int(extra1));
+      }
+    }
   }
   const int k2 = k + int(seen_.size());
   if (k2 > kSparseLimit || k2 >= V / 4) {
@@ -670,16 +845,17 @@ int RowDistBuilder::sparse_top_k(
   }
   RawTop st;
   if (dtype == mx::float32) {
-    st = raw_top_f32(static_cast<const uint32_t*>(logits), V, k2, raw_);
+    st = raw_top_f32(static_cast<const uint32_t*>(logits), V, k, seen_, raw_);
   } else if (dtype == mx::float16) {
-    st = raw_top_f16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+    st = raw_top_f16(static_cast<const uint16_t*>(logits), V, k, seen_, raw_);
   } else {
-    st = raw_top_bf16(static_cast<const uint16_t*>(logits), V, k2, raw_);
+    st = raw_top_bf16(static_cast<const uint16_t*>(logits), V, k, seen_, raw_);
   }
   if (st != RawTop::kOk) {
     return st == RawTop::kInvalid ? -1 : 0;
   }
-  // Candidates: raw top-k2 and every penalised token, ascending and unique.
+  // Candidates: the raw top-k of the unpenalised tokens and every penalised
+  // token, ascending and unique.
   int* idx = idx_.get();
   int m = 0;
   for (auto& kv : raw_) {
@@ -788,8 +964,10 @@ bool RowDistBuilder::build(
     int64_t extra0,
     int64_t extra1,
     const RowSampler& s,
-    RowDist& out) {
+    RowDist& out,
+    const std::vector<int>* penalty_base) {
   out = RowDist{};
+  base_valid_ = false;
   const int V = V_;
   const bool greedy = !(s.temperature > 0);
   const bool penalised = s.penalties &&
@@ -801,11 +979,22 @@ bool RowDistBuilder::build(
   int n = V;
   bool dense = true;
   double zmax = 0;
-  // Sparse scans check validity themselves; the dense path checks first.
+  // Sparse scans check validity themselves; the dense path reads it from
+  // the range of the transform.
   const int sparse = kk < V
-      ? sparse_top_k(logits, dtype, counts, extra0, extra1, s, kk, penalised, n)
+      ? sparse_top_k(
+            logits,
+            dtype,
+            counts,
+            extra0,
+            extra1,
+            s,
+            kk,
+            penalised,
+            penalty_base,
+            n)
       : 0;
-  if (sparse < 0 || (sparse == 0 && !row_valid(logits, dtype, V))) {
+  if (sparse < 0) {
     return false;
   }
   if (sparse > 0) {
@@ -846,6 +1035,13 @@ bool RowDistBuilder::build(
           t,
           z);
     }
+    // The transform maps NaN to NaN, +Inf to +Inf, -Inf to -Inf and finite
+    // logits to finite values (penalties and 1/T cannot overflow a double
+    // from 16/32-bit floats), so the rule of row_valid reads off its range:
+    // no NaN (of either sign), no +Inf, some value above -Inf.
+    if (!(r.max < kInf && r.min >= -kInf && r.max > -kInf)) {
+      return false;
+    }
     zmax = r.max;
   }
   if (n > kk) {
@@ -868,11 +1064,12 @@ bool RowDistBuilder::build(
       zmax = z[j] > zmax ? z[j] : zmax;
     }
   }
-  exp_dense(z, zmax, w, n);
+  // w and its lane_sum in one pass.
+  const double wsum = exp_dense_sum(z, zmax, w, n);
   int m = n;
   Selected cut{false, 0, -1, 0}; // the last kept element, when known
   if (s.top_p < 1) {
-    const double target = s.top_p * lane_sum(w, n);
+    const double target = s.top_p * wsum;
     Selected th = top_p_select(dense, n, target);
     if (th.found && th.rank + 1 < m) {
       m = th.rank + 1;
@@ -896,8 +1093,10 @@ bool RowDistBuilder::build(
     }
     n = keep_prefix(z, idx, w, dense, n, cut);
     dense = false;
+    out = RowDist{n, idx, w, lane_sum(w, n)};
+    return true;
   }
-  out = RowDist{n, dense ? nullptr : idx, w, lane_sum(w, n)};
+  out = RowDist{n, dense ? nullptr : idx, w, wsum};
   return true;
 }
 
@@ -1034,6 +1233,32 @@ double uniform_at(const float* u, size_t i) {
   return clamp_uniform<double>(double(u[i]), cpu::kOneBelow);
 }
 
+// Rough single-thread cost of building one distribution of a row of V
+// logits, in nanoseconds (measured on the development machine; only the
+// order of magnitude matters): a sparse top-k row is one vectorised scan,
+// about 2 us + 0.25 ns per logit; a dense row (top-k off or large) about
+// 12 ns per logit (transform, exp, selects).
+double build_cost_ns(const float* params, int V) {
+  const auto s = cpu::RowSampler::from_params(params);
+  const int kk = s.temperature > 0 ? top_k_length(s.top_k, V) : 1;
+  const bool sparse =
+      kk < V && kk <= cpu::RowDistBuilder::kSparseLimit && kk < V / 4;
+  return sparse ? 2000.0 + 0.25 * V : 12.0 * V;
+}
+
+// Threads for a job of `rows` independent rows costing `cost_ns` in all:
+// each thread beyond the first must get at least kMinThreadNs of work, so
+// jobs too small to pay for waking a worker never leave the caller's thread.
+int row_threads(int rows, double cost_ns) {
+  constexpr double kMinThreadNs = 30000.0;
+  const int configured = cpu::cpu_threads_or_one();
+  if (rows < 2 || configured < 2 || cost_ns < 2 * kMinThreadNs) {
+    return 1;
+  }
+  const double by_cost = cost_ns / kMinThreadNs;
+  return int(std::min<double>({double(configured), double(rows), by_cost}));
+}
+
 } // namespace
 
 void SampleTokens::eval_cpu(
@@ -1062,9 +1287,13 @@ void SampleTokens::eval_cpu(
     const mx::array* extra = has_extra ? &in[has_counts ? 4 : 3] : nullptr;
     const int E = extra ? extra->shape(1) : 0;
     const char* base = static_cast<const char*>(logits.data<void>());
+    const size_t rb = row_bytes(logits, V);
+    const mx::Dtype dt = logits.dtype();
     int32_t* o = out.data<int32_t>();
-    cpu::RowDistBuilder& builder = cached_builder(0, V);
-    for (int b = 0; b < B; ++b) {
+    // Rows are independent: each task writes o[b] alone and builds in the
+    // scratch of the thread that runs it.
+    auto run_row = [&](int b) {
+      cpu::RowDistBuilder& builder = cached_builder(0, V);
       int64_t ex[2] = {-1, -1};
       for (int e = 0; e < E && e < 2; ++e) {
         ex[e] = read_id(*extra, size_t(b) * E + e);
@@ -1072,15 +1301,20 @@ void SampleTokens::eval_cpu(
       auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
       cpu::RowDist d;
       bool ok = builder.build(
-          base + b * row_bytes(logits, V),
-          logits.dtype(),
+          base + b * rb,
+          dt,
           counts ? counts + size_t(b) * V : nullptr,
           ex[0],
           ex[1],
           s,
           d);
       o[b] = ok ? cpu::sample_row(d, uniform_at(u, b)) : kInvalid;
+    };
+    double cost = 0;
+    for (int b = 0; b < B; ++b) {
+      cost += build_cost_ns(params + size_t(b) * kParamCols, V);
     }
+    cpu::parallel_for(B, row_threads(B, cost), run_row);
   });
 }
 
@@ -1114,9 +1348,9 @@ void VerifySampled::eval_cpu(
     const size_t rb = row_bytes(vl, V);
     const mx::Dtype dt = vl.dtype();
     int32_t* o = out.data<int32_t>();
-    cpu::RowDistBuilder& bp = cached_builder(0, V);
-    cpu::RowDistBuilder& bq = cached_builder(1, V);
-    for (int b = 0; b < B; ++b) {
+    // Rows are independent: each task writes its bundle row alone and builds
+    // in the scratch of the thread that runs it.
+    auto run_row = [&](int b) {
       int32_t* row = o + size_t(b) * kBundleCols;
       const int64_t x0 = read_id(tokens, size_t(b) * 2);
       const int64_t d = read_id(tokens, size_t(b) * 2 + 1);
@@ -1131,8 +1365,10 @@ void VerifySampled::eval_cpu(
       const char* v1 = v0 + rb;
       const char* dr = dbase + size_t(b) * rb;
       if (!x0_ok || !d_ok) {
-        continue;
+        return;
       }
+      cpu::RowDistBuilder& bp = cached_builder(0, V);
+      cpu::RowDistBuilder& bq = cached_builder(1, V);
       const int32_t* c = counts ? counts + size_t(b) * V : nullptr;
       const auto s =
           cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
@@ -1145,9 +1381,11 @@ void VerifySampled::eval_cpu(
         sq.temperature = 1.0;
       }
       cpu::RowDist p, q;
+      // p and q see the same counts and x0: q takes the tokens the
+      // penalties touch from p's build instead of scanning counts again.
       if (!bp.build(v0, dt, c, x0, -1, sp, p) ||
-          !bq.build(dr, dt, c, x0, -1, sq, q)) {
-        continue;
+          !bq.build(dr, dt, c, x0, -1, sq, q, bp.penalty_base())) {
+        return;
       }
       const double pd = p.weight_of(int(d)) / p.total;
       const double qd = q.weight_of(int(d)) / q.total;
@@ -1159,8 +1397,8 @@ void VerifySampled::eval_cpu(
       // its distribution checks that, so only a rejection scans it apart.
       if (accepts_draft<double>(ua, qd, pd)) {
         cpu::RowDist p1;
-        if (!bp.build(v1, dt, c, x0, d, s, p1)) {
-          continue;
+        if (!bp.build(v1, dt, c, x0, d, s, p1, bq.penalty_base())) {
+          return;
         }
         row[kColSecond] = int32_t(d);
         row[kColAccept] = 1;
@@ -1172,7 +1410,12 @@ void VerifySampled::eval_cpu(
             ? cpu::sample_row(p, ur)
             : cpu::sample_residual(p, q, ur, bq.scratch());
       }
+    };
+    double cost = 0; // p, q and the bonus row (or its validity scan)
+    for (int b = 0; b < B; ++b) {
+      cost += 3 * build_cost_ns(params + size_t(b) * kParamCols, V);
     }
+    cpu::parallel_for(B, row_threads(B, cost), run_row);
   });
 }
 

@@ -60,6 +60,8 @@ class RowDistBuilder {
   // Builds the distribution of one logits row (bits of `dtype`). `counts` may
   // be null; `extra` lists up to two ids counted once more (-1: none).
   // Returns false (and leaves the dist empty) when the row is unusable.
+  // `penalty_base`, when given, must be penalty_base() of an earlier build
+  // with the same counts and extra0: it saves a scan of counts.
   bool build(
       const void* logits,
       mx::Dtype dtype,
@@ -67,7 +69,14 @@ class RowDistBuilder {
       int64_t extra0,
       int64_t extra1,
       const RowSampler& s,
-      RowDist& out);
+      RowDist& out,
+      const std::vector<int>* penalty_base = nullptr);
+
+  // The tokens with a positive count plus extra0 (ascending, unique) as the
+  // last build found them, or null when it did not need them.
+  const std::vector<int>* penalty_base() const {
+    return base_valid_ ? &base_ : nullptr;
+  }
 
   // Rows whose top-k (or greedy pick) needs at most this many candidates
   // take the sparse path: one vectorised threshold scan of the raw logits.
@@ -96,6 +105,7 @@ class RowDistBuilder {
       const RowSampler& s,
       int k,
       bool penalised,
+      const std::vector<int>* penalty_base,
       int& n);
 
   // The first element (in order) where the cumulative weight reaches
@@ -111,6 +121,8 @@ class RowDistBuilder {
   std::unique_ptr<int[]> sel_a_, sel_b_; // radix select work lists
   std::vector<std::pair<int, int>> raw_; // (raw key, token) candidates
   std::vector<int> seen_; // tokens the penalties touch
+  std::vector<int> base_; // seen_ without extra1
+  bool base_valid_ = false;
 };
 
 // Inverse CDF in vocabulary order: the first token whose cumulative weight

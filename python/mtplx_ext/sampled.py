@@ -3,6 +3,17 @@
 Both follow the sampler definition of `mtplx_ext.sampling` exactly (transform
 order, kept-set tie rules, inverse CDF, acceptance rule); that module's
 float64 NumPy functions are their reference.
+
+On the CPU the rows of a batch run on a small persistent worker pool; the
+result does not depend on the thread count. Environment:
+    MTPLX_CPU_THREADS: threads of the CPU kernels (default: the CPUs this
+        process may run on, at most 8; 1 runs every row on MLX's CPU stream
+        thread). Anything but an integer in [1, 256] makes importing
+        mtplx_ext raise ValueError naming the variable. Jobs too small to
+        gain from a second thread run on one thread whatever the setting.
+
+`_ext._set_cpu_threads(n)` overrides the count in-process for tests and
+benchmarks (0 restores the variable's value); it is not public API.
 """
 
 from __future__ import annotations
@@ -15,6 +26,8 @@ import numpy as np
 from mtplx_ext import _ext
 from mtplx_ext._checks import require_array, require_int_tokens, require_kind, require_logits
 from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
+
+_ext._cpu_threads()  # validates MTPLX_CPU_THREADS up front (ValueError)
 
 SamplerArg = SamplerConfig | Sequence[SamplerConfig] | mx.array
 

@@ -1,0 +1,46 @@
+// A small persistent worker pool for the CPU kernels' independent rows.
+//
+// Threads are created on first use and reused; parallel_for runs tasks on
+// the calling thread too (MLX's CPU stream thread), so a job never waits for
+// a worker that cannot start. One job runs at a time: a second caller (another
+// stream) that finds the pool busy runs its tasks on its own thread instead of
+// waiting. Workers are joined at process exit and recreated after fork().
+//
+// Thread count: MTPLX_CPU_THREADS (a positive integer, at most
+// kMaxCpuThreads), else the CPUs this process may run on (sched_getaffinity)
+// capped at kDefaultCpuThreadsCap. 1 runs every task on the calling thread.
+#pragma once
+
+#include <functional>
+
+namespace mtplx::cpu {
+
+constexpr int kMaxCpuThreads = 256;
+constexpr int kDefaultCpuThreadsCap = 8;
+
+// The configured thread count (>= 1). Throws std::invalid_argument naming
+// MTPLX_CPU_THREADS when the variable holds anything but an integer in
+// [1, kMaxCpuThreads]; the variable is read once per process.
+int cpu_threads();
+
+// cpu_threads() for code that must not throw (kernel bodies): 1 when the
+// variable is invalid (the ops check it before anything runs).
+int cpu_threads_or_one() noexcept;
+
+// Overrides the thread count for this process (tests and benchmarks);
+// n = 0 returns to MTPLX_CPU_THREADS / the default. Returns the previous
+// override (0: none).
+int set_cpu_threads(int n);
+
+// How many jobs have run on the pool in this process (tests: whether a job
+// was large enough to be handed to workers).
+long long pool_jobs() noexcept;
+
+// Runs f(i) for every i in [0, n) on up to `threads` threads, the caller
+// included, and returns when all are done. Tasks are claimed dynamically, so
+// which thread runs a task varies; each task must only touch its own outputs
+// (and thread_local scratch). The first exception a task throws is rethrown
+// here after the other tasks finish.
+void parallel_for(int n, int threads, const std::function<void(int)>& f);
+
+} // namespace mtplx::cpu
