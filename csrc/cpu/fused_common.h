@@ -9,6 +9,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu/half_bits.h"
 #include "mlx/array.h"
 #include "mlx/types/half_types.h"
 
@@ -66,16 +67,8 @@ struct F32 {
 
 struct F16 {
   using bits_t = uint16_t;
-  // Branch-free half -> float, exact for normals, subnormals, Inf and NaN.
   static MTPLX_FUSED_INLINE float load(uint16_t h) {
-    uint32_t em = uint32_t(h & 0x7FFF) << 13;
-    uint32_t exp = em & (0x7C00u << 13);
-    uint32_t u = em + ((127 - 15) << 23);
-    u += exp == (0x7C00u << 13) ? ((128 - 16) << 23) : 0u;
-    float f = std::bit_cast<float>(exp == 0 ? u + (1u << 23) : u);
-    f = exp == 0 ? f - std::bit_cast<float>(113u << 23) : f;
-    uint32_t s = uint32_t(h & 0x8000) << 16;
-    return std::bit_cast<float>(std::bit_cast<uint32_t>(f) | s);
+    return half_bits_to_float(h);
   }
   static MTPLX_FUSED_INLINE uint16_t store(float v) {
     return std::bit_cast<uint16_t>(mx::float16_t(v));
@@ -88,7 +81,7 @@ struct F16 {
 struct BF16 {
   using bits_t = uint16_t;
   static MTPLX_FUSED_INLINE float load(uint16_t b) {
-    return std::bit_cast<float>(uint32_t(b) << 16);
+    return bf16_bits_to_float(b);
   }
   static MTPLX_FUSED_INLINE uint16_t store(float v) {
     return std::bit_cast<uint16_t>(mx::bfloat16_t(v));

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/half_bits.h"
 #include "cpu/row_argmax.h"
 #include "cpu/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -44,22 +45,14 @@ struct LoadF32 {
 struct LoadBF16 {
   using bits_t = uint16_t;
   static MTPLX_INLINE double get(uint16_t b) {
-    return double(std::bit_cast<float>(uint32_t(b) << 16));
+    return double(bf16_bits_to_float(b));
   }
 };
 
 struct LoadF16 {
   using bits_t = uint16_t;
-  // Branch-free half -> float, exact for normals, subnormals, Inf and NaN.
   static MTPLX_INLINE double get(uint16_t h) {
-    uint32_t em = uint32_t(h & 0x7FFF) << 13;
-    uint32_t exp = em & (0x7C00u << 13);
-    uint32_t u = em + ((127 - 15) << 23);
-    u += exp == (0x7C00u << 13) ? ((128 - 16) << 23) : 0u;
-    float f = std::bit_cast<float>(exp == 0 ? u + (1u << 23) : u);
-    f = exp == 0 ? f - std::bit_cast<float>(113u << 23) : f;
-    uint32_t s = uint32_t(h & 0x8000) << 16;
-    return double(std::bit_cast<float>(std::bit_cast<uint32_t>(f) | s));
+    return double(half_bits_to_float(h));
   }
 };
 
