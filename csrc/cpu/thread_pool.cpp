@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <ctime>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -111,6 +113,10 @@ class Pool {
     if (!dl.owns_lock()) {
       return false;
     }
+    if (serial_left_ > 0) {
+      --serial_left_;
+      return false;
+    }
     uint32_t gen;
     {
       std::lock_guard<std::mutex> lk(m_);
@@ -136,7 +142,8 @@ class Pool {
     }
     g_pool_jobs.fetch_add(1, std::memory_order_relaxed);
     wake_.notify_all();
-    work(gen, n, &f);
+    const auto t0 = Clock::now();
+    const Own own = work(gen, n, &f, true);
     std::exception_ptr err;
     {
       std::unique_lock<std::mutex> lk(m_);
@@ -147,10 +154,18 @@ class Pool {
       err = error_;
       error_ = nullptr;
     }
+    judge(n, own, Clock::now() - t0);
     if (err) {
       std::rethrow_exception(err);
     }
     return true;
+  }
+
+  // Forgets the back-off (a new thread count is a new experiment).
+  void reset_backoff() {
+    std::lock_guard<std::mutex> dl(dispatch_);
+    serial_left_ = 0;
+    strikes_ = 0;
   }
 
   // Joins the workers (waiting for a job in flight); later jobs run on their
@@ -190,15 +205,63 @@ class Pool {
     }
   }
 
+  using Clock = std::chrono::steady_clock;
+
+  // Tasks the calling thread ran, and the CPU time they took.
+  struct Own {
+    int tasks = 0;
+    double busy = 0; // seconds
+  };
+
+  // CPU time of the calling thread (seconds); wall time where there is no
+  // per-thread clock. CPU time is the pace of a task on a core of its own,
+  // also when the caller itself shares its core.
+  static double thread_seconds() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    timespec ts;
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
+      return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+    }
+#endif
+    return std::chrono::duration<double>(Clock::now().time_since_epoch())
+        .count();
+  }
+
+  // On a machine whose other cores are busy a worker may sit preempted in
+  // the middle of a task while the caller, done with the rest, waits for it,
+  // or share a core with the caller: the job then takes as long as on one
+  // thread or longer. When a job's wall time is not at least 10% below n
+  // times the CPU time of the caller's own tasks, the next jobs run on the
+  // caller's thread alone (8, 16, ... up to 256 of them while this keeps
+  // happening).
+  void judge(int n, const Own& own, Clock::duration wall) {
+    if (own.tasks == 0) {
+      return;
+    }
+    const double serial = own.busy / own.tasks * n;
+    if (std::chrono::duration<double>(wall).count() > 0.9 * serial) {
+      strikes_ = std::min(strikes_ + 1, 6);
+      serial_left_ = 4 << strikes_;
+    } else {
+      strikes_ = 0;
+    }
+  }
+
   // Claims and runs tasks of job `gen` until none is left. A claim only
   // succeeds while the job is unfinished, so `f` is then still alive.
-  void work(uint32_t gen, int n, const std::function<void(int)>* f) {
+  Own work(
+      uint32_t gen,
+      int n,
+      const std::function<void(int)>* f,
+      bool timed = false) {
+    Own own;
     uint64_t s = claim_.load(std::memory_order_acquire);
     while (uint32_t(s >> 32) == gen && int(uint32_t(s)) < n) {
       if (!claim_.compare_exchange_weak(
               s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         continue;
       }
+      const double t0 = timed ? thread_seconds() : 0.0;
       try {
         (*f)(int(uint32_t(s)));
       } catch (...) {
@@ -207,15 +270,22 @@ class Pool {
           error_ = std::current_exception();
         }
       }
+      if (timed) {
+        own.tasks++;
+        own.busy += thread_seconds() - t0;
+      }
       if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         std::lock_guard<std::mutex> lk(m_);
         done_cv_.notify_all();
       }
       s = claim_.load(std::memory_order_acquire);
     }
+    return own;
   }
 
-  std::mutex dispatch_; // one job at a time
+  std::mutex dispatch_; // one job at a time; guards the back-off
+  int serial_left_ = 0; // jobs to run on the caller's thread
+  int strikes_ = 0; // jobs in a row that gained too little
   std::mutex m_; // guards everything below but the atomics
   std::condition_variable wake_;
   std::condition_variable done_cv_;
@@ -292,7 +362,9 @@ int set_cpu_threads(int n) {
         "cpu thread count must be in [0, " + std::to_string(kMaxCpuThreads) +
         "], got " + std::to_string(n));
   }
-  return g_override.exchange(n, std::memory_order_relaxed);
+  const int previous = g_override.exchange(n, std::memory_order_relaxed);
+  pool()->reset_backoff();
+  return previous;
 }
 
 long long pool_jobs() noexcept {

@@ -5,6 +5,10 @@
 // a worker that cannot start. One job runs at a time: a second caller (another
 // stream) that finds the pool busy runs its tasks on its own thread instead of
 // waiting. Workers are joined at process exit and recreated after fork().
+// When the machine's other cores are busy, workers get preempted mid-task and
+// a job can take longer than on one thread; after such a job the pool runs the
+// next few jobs (8 up to 256, doubling while it keeps happening) on the
+// calling thread alone.
 //
 // Thread count: MTPLX_CPU_THREADS (a positive integer, at most
 // kMaxCpuThreads), else the CPUs this process may run on (sched_getaffinity)
@@ -29,11 +33,11 @@ int cpu_threads_or_one() noexcept;
 
 // Overrides the thread count for this process (tests and benchmarks);
 // n = 0 returns to MTPLX_CPU_THREADS / the default. Returns the previous
-// override (0: none).
+// override (0: none). Also clears the pool's back-off.
 int set_cpu_threads(int n);
 
-// How many jobs have run on the pool in this process (tests: whether a job
-// was large enough to be handed to workers).
+// How many jobs have run on the pool's workers in this process (tests:
+// whether a job was handed to workers).
 long long pool_jobs() noexcept;
 
 // Runs f(i) for every i in [0, n) on up to `threads` threads, the caller
