@@ -7,7 +7,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
-#include <ctime>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
@@ -113,10 +112,6 @@ class Pool {
     if (!dl.owns_lock()) {
       return false;
     }
-    if (serial_left_ > 0) {
-      --serial_left_;
-      return false;
-    }
     uint32_t gen;
     {
       std::lock_guard<std::mutex> lk(m_);
@@ -142,8 +137,7 @@ class Pool {
     }
     g_pool_jobs.fetch_add(1, std::memory_order_relaxed);
     wake_.notify_all();
-    const auto t0 = Clock::now();
-    const Own own = work(gen, n, &f, true);
+    work(gen, n, &f);
     std::exception_ptr err;
     {
       std::unique_lock<std::mutex> lk(m_);
@@ -154,18 +148,10 @@ class Pool {
       err = error_;
       error_ = nullptr;
     }
-    judge(n, own, Clock::now() - t0);
     if (err) {
       std::rethrow_exception(err);
     }
     return true;
-  }
-
-  // Forgets the back-off (a new thread count is a new experiment).
-  void reset_backoff() {
-    std::lock_guard<std::mutex> dl(dispatch_);
-    serial_left_ = 0;
-    strikes_ = 0;
   }
 
   // Joins the workers (waiting for a job in flight); later jobs run on their
@@ -205,63 +191,15 @@ class Pool {
     }
   }
 
-  using Clock = std::chrono::steady_clock;
-
-  // Tasks the calling thread ran, and the CPU time they took.
-  struct Own {
-    int tasks = 0;
-    double busy = 0; // seconds
-  };
-
-  // CPU time of the calling thread (seconds); wall time where there is no
-  // per-thread clock. CPU time is the pace of a task on a core of its own,
-  // also when the caller itself shares its core.
-  static double thread_seconds() {
-#if defined(CLOCK_THREAD_CPUTIME_ID)
-    timespec ts;
-    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) {
-      return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-    }
-#endif
-    return std::chrono::duration<double>(Clock::now().time_since_epoch())
-        .count();
-  }
-
-  // On a machine whose other cores are busy a worker may sit preempted in
-  // the middle of a task while the caller, done with the rest, waits for it,
-  // or share a core with the caller: the job then takes as long as on one
-  // thread or longer. When a job's wall time is not at least 10% below n
-  // times the CPU time of the caller's own tasks, the next jobs run on the
-  // caller's thread alone (8, 16, ... up to 256 of them while this keeps
-  // happening).
-  void judge(int n, const Own& own, Clock::duration wall) {
-    if (own.tasks == 0) {
-      return;
-    }
-    const double serial = own.busy / own.tasks * n;
-    if (std::chrono::duration<double>(wall).count() > 0.9 * serial) {
-      strikes_ = std::min(strikes_ + 1, 6);
-      serial_left_ = 4 << strikes_;
-    } else {
-      strikes_ = 0;
-    }
-  }
-
   // Claims and runs tasks of job `gen` until none is left. A claim only
   // succeeds while the job is unfinished, so `f` is then still alive.
-  Own work(
-      uint32_t gen,
-      int n,
-      const std::function<void(int)>* f,
-      bool timed = false) {
-    Own own;
+  void work(uint32_t gen, int n, const std::function<void(int)>* f) {
     uint64_t s = claim_.load(std::memory_order_acquire);
     while (uint32_t(s >> 32) == gen && int(uint32_t(s)) < n) {
       if (!claim_.compare_exchange_weak(
               s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
         continue;
       }
-      const double t0 = timed ? thread_seconds() : 0.0;
       try {
         (*f)(int(uint32_t(s)));
       } catch (...) {
@@ -270,22 +208,15 @@ class Pool {
           error_ = std::current_exception();
         }
       }
-      if (timed) {
-        own.tasks++;
-        own.busy += thread_seconds() - t0;
-      }
       if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         std::lock_guard<std::mutex> lk(m_);
         done_cv_.notify_all();
       }
       s = claim_.load(std::memory_order_acquire);
     }
-    return own;
   }
 
-  std::mutex dispatch_; // one job at a time; guards the back-off
-  int serial_left_ = 0; // jobs to run on the caller's thread
-  int strikes_ = 0; // jobs in a row that gained too little
+  std::mutex dispatch_; // one job at a time
   std::mutex m_; // guards everything below but the atomics
   std::condition_variable wake_;
   std::condition_variable done_cv_;
@@ -299,6 +230,65 @@ class Pool {
   std::atomic<uint64_t> claim_{0}; // job generation << 32 | next task
   std::atomic<int> done_{0}; // tasks of the job finished
 };
+
+// Whether a job runs on the pool or on the caller's thread alone, decided
+// from measured outcomes. On a machine whose other cores are busy a worker
+// may sit preempted in the middle of a task while the caller, done with the
+// rest, waits for it, or share a core with the caller: a job can then take
+// longer on the pool than on one thread. Each job's wall time per unit of
+// its estimated cost is recorded for the mode it ran in; after kWarmup jobs
+// of each, jobs take the mode with the lower median pace over its last
+// kWindow jobs, and every 8th job (every 32nd when one mode is over 1.3x
+// faster) runs the other mode to keep both measurements current.
+class Chooser {
+ public:
+  static constexpr int kWindow = 8;
+  static constexpr int kWarmup = 3;
+
+  bool use_pool() {
+    std::lock_guard<std::mutex> lk(m_);
+    ++jobs_;
+    // The first jobs alternate, so that both modes have a few measurements
+    // (the very first pooled job also pays for starting the workers).
+    if (std::min(count_[0], count_[1]) < kWarmup) {
+      return count_[1] <= count_[0];
+    }
+    const double serial = median(0), pooled = median(1);
+    const bool pool_better = pooled < serial;
+    const double ratio = pool_better ? serial / pooled : pooled / serial;
+    const bool explore = jobs_ % (ratio > 1.3 ? 32 : 8) == 0;
+    return pool_better != explore;
+  }
+
+  void record(bool pooled, double pace) {
+    std::lock_guard<std::mutex> lk(m_);
+    const int m = pooled ? 1 : 0;
+    window_[m][count_[m] % kWindow] = pace;
+    ++count_[m];
+  }
+
+  void reset() {
+    std::lock_guard<std::mutex> lk(m_);
+    count_[0] = count_[1] = 0;
+    jobs_ = 0;
+  }
+
+ private:
+  double median(int m) const {
+    const int k = std::min(count_[m], kWindow);
+    double v[kWindow];
+    std::copy(window_[m], window_[m] + k, v);
+    std::nth_element(v, v + k / 2, v + k);
+    return v[k / 2];
+  }
+
+  std::mutex m_;
+  double window_[2][kWindow] = {};
+  int count_[2] = {0, 0};
+  long long jobs_ = 0;
+};
+
+Chooser g_chooser;
 
 // The pool is never destroyed (callers may arrive during exit); its workers
 // are joined at exit by the reaper below. After fork() the child, which has
@@ -363,7 +353,7 @@ int set_cpu_threads(int n) {
         "], got " + std::to_string(n));
   }
   const int previous = g_override.exchange(n, std::memory_order_relaxed);
-  pool()->reset_backoff();
+  g_chooser.reset();
   return previous;
 }
 
@@ -371,14 +361,30 @@ long long pool_jobs() noexcept {
   return g_pool_jobs.load(std::memory_order_relaxed);
 }
 
-void parallel_for(int n, int threads, const std::function<void(int)>& f) {
+void parallel_for(
+    int n,
+    int threads,
+    const std::function<void(int)>& f,
+    double cost) {
   threads = std::min(threads, n);
-  if (threads > 1 && pool()->run(n, threads, f)) {
+  if (threads < 2) {
+    for (int i = 0; i < n; ++i) {
+      f(i);
+    }
     return;
   }
-  for (int i = 0; i < n; ++i) {
-    f(i);
+  const bool want_pool = g_chooser.use_pool();
+  const auto t0 = std::chrono::steady_clock::now();
+  bool pooled = want_pool && pool()->run(n, threads, f);
+  if (!pooled) {
+    for (int i = 0; i < n; ++i) {
+      f(i);
+    }
   }
+  const double wall = std::chrono::duration<double>(
+                          std::chrono::steady_clock::now() - t0)
+                          .count();
+  g_chooser.record(pooled, wall / (cost > 0 ? cost : double(n)));
 }
 
 } // namespace mtplx::cpu
