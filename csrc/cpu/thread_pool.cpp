@@ -236,32 +236,41 @@ class Pool {
 // may sit preempted in the middle of a task while the caller, done with the
 // rest, waits for it, or share a core with the caller: a job can then take
 // longer on the pool than on one thread. Each job's wall time per unit of
-// its estimated cost is recorded for the mode it ran in; after kWarmup jobs
-// of each, jobs take the mode with the lower median pace over its last
-// kWindow jobs, and every 8th job (every 32nd when one mode is over 1.3x
-// faster) runs the other mode to keep both measurements current.
+// its estimated cost is recorded for the way it ran; jobs mostly take the
+// way with the lower median pace over its last kWindow recorded jobs, in
+// cycles of 8 jobs (16 when one way is over 1.3x faster) that end with one
+// serial job, or with kBurst pooled jobs, to keep both measurements current.
+// A pooled job right after a serial one is not recorded: a worker core that
+// sat idle (on a virtual machine, possibly descheduled) wakes slowly, which
+// says nothing about back-to-back jobs. Until both ways have kWarmup
+// recorded jobs, jobs go pool, pool, serial, pool, pool, serial, ...
 class Chooser {
  public:
-  static constexpr int kWindow = 8;
+  static constexpr int kWindow = 4;
   static constexpr int kWarmup = 3;
+  static constexpr int kBurst = 3;
 
   bool use_pool() {
     std::lock_guard<std::mutex> lk(m_);
-    ++jobs_;
-    // The first jobs alternate, so that both modes have a few measurements
-    // (the very first pooled job also pays for starting the workers).
+    const long long job = jobs_++;
     if (std::min(count_[0], count_[1]) < kWarmup) {
-      return count_[1] <= count_[0];
+      return job % 3 != 2;
     }
     const double serial = median(0), pooled = median(1);
     const bool pool_better = pooled < serial;
     const double ratio = pool_better ? serial / pooled : pooled / serial;
-    const bool explore = jobs_ % (ratio > 1.3 ? 32 : 8) == 0;
-    return pool_better != explore;
+    const int cycle = ratio > 1.3 ? 16 : 8;
+    const int pos = int(job % cycle);
+    return pool_better ? pos != cycle - 1 : pos >= cycle - kBurst;
   }
 
   void record(bool pooled, double pace) {
     std::lock_guard<std::mutex> lk(m_);
+    const bool cold = pooled && !last_pooled_;
+    last_pooled_ = pooled;
+    if (cold) {
+      return;
+    }
     const int m = pooled ? 1 : 0;
     window_[m][count_[m] % kWindow] = pace;
     ++count_[m];
@@ -271,6 +280,7 @@ class Chooser {
     std::lock_guard<std::mutex> lk(m_);
     count_[0] = count_[1] = 0;
     jobs_ = 0;
+    last_pooled_ = false;
   }
 
  private:
@@ -278,14 +288,15 @@ class Chooser {
     const int k = std::min(count_[m], kWindow);
     double v[kWindow];
     std::copy(window_[m], window_[m] + k, v);
-    std::nth_element(v, v + k / 2, v + k);
-    return v[k / 2];
+    std::sort(v, v + k);
+    return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
   }
 
   std::mutex m_;
   double window_[2][kWindow] = {};
   int count_[2] = {0, 0};
   long long jobs_ = 0;
+  bool last_pooled_ = false;
 };
 
 Chooser g_chooser;
