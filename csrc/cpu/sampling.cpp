@@ -1307,7 +1307,7 @@ void SampleTokens::eval_cpu(
     for (int b = 0; b < B; ++b) {
       cost += build_cost_ns(params + size_t(b) * kParamCols, V);
     }
-    cpu::parallel_for(B, row_threads(B, cost), run_row);
+    cpu::parallel_for(B, row_threads(B, cost), run_row, cost);
   });
 }
 
@@ -1408,7 +1408,7 @@ void VerifySampled::eval_cpu(
     for (int b = 0; b < B; ++b) {
       cost += 3 * build_cost_ns(params + size_t(b) * kParamCols, V);
     }
-    cpu::parallel_for(B, row_threads(B, cost), run_row);
+    cpu::parallel_for(B, row_threads(B, cost), run_row, cost);
   });
 }
 

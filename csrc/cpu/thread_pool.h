@@ -5,6 +5,9 @@
 // a worker that cannot start. One job runs at a time: a second caller (another
 // stream) that finds the pool busy runs its tasks on its own thread instead of
 // waiting. Workers are joined at process exit and recreated after fork().
+// When the machine's other cores are busy, workers get preempted mid-task and
+// a job can take longer on the pool than on one thread: parallel_for measures
+// both ways of running and mostly takes the faster one (see Chooser).
 //
 // Thread count: MTPLX_CPU_THREADS (a positive integer, at most
 // kMaxCpuThreads), else the CPUs this process may run on (sched_getaffinity)
@@ -29,18 +32,25 @@ int cpu_threads_or_one() noexcept;
 
 // Overrides the thread count for this process (tests and benchmarks);
 // n = 0 returns to MTPLX_CPU_THREADS / the default. Returns the previous
-// override (0: none).
+// override (0: none). Also clears the measurements that choose between the
+// pool and the caller's thread.
 int set_cpu_threads(int n);
 
-// How many jobs have run on the pool in this process (tests: whether a job
-// was large enough to be handed to workers).
+// How many jobs have run on the pool's workers in this process (tests:
+// whether a job was handed to workers).
 long long pool_jobs() noexcept;
 
 // Runs f(i) for every i in [0, n) on up to `threads` threads, the caller
 // included, and returns when all are done. Tasks are claimed dynamically, so
 // which thread runs a task varies; each task must only touch its own outputs
 // (and thread_local scratch). The first exception a task throws is rethrown
-// here after the other tasks finish.
-void parallel_for(int n, int threads, const std::function<void(int)>& f);
+// here after the other tasks finish. `cost` (any unit, e.g. estimated
+// nanoseconds; 0: n) normalises the job's wall time when comparing the pool
+// with the caller's thread alone.
+void parallel_for(
+    int n,
+    int threads,
+    const std::function<void(int)>& f,
+    double cost = 0);
 
 } // namespace mtplx::cpu

@@ -10,7 +10,9 @@ result does not depend on the thread count. Environment:
         process may run on, at most 8; 1 runs every row on MLX's CPU stream
         thread). Anything but an integer in [1, 256] makes importing
         mtplx_ext raise ValueError naming the variable. Jobs too small to
-        gain from a second thread run on one thread whatever the setting.
+        gain from a second thread run on one thread whatever the setting;
+        larger ones mostly run the way (pool or one thread) that recent
+        timings found faster, which keeps busy machines from losing time.
 
 `_ext._set_cpu_threads(n)` overrides the count in-process for tests and
 benchmarks (0 restores the variable's value); it is not public API.
