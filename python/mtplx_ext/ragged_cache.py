@@ -87,7 +87,8 @@ class RaggedKVCache(_BaseCache):
     Drop-in for `BatchKVCache` in mlx-lm attention layers: `offset` (the
     RoPE position of the next token, per stream), `update_and_fetch` and
     `make_mask` (always an array mask [B, 1, N, S]). Make the caches of one
-    model with `make_ragged_caches` so that they share their positions.
+    model with `MTPRuntime.make_cache(..., ragged=True)` (or give them one
+    `RaggedPositions`) so that they share their positions.
 
     Args:
         left_padding: per-stream count of pad tokens on the left of the
@@ -213,10 +214,4 @@ class RaggedKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
-def make_ragged_caches(n: int, left_padding: list[int]) -> list[RaggedKVCache]:
-    """`n` layer caches sharing one `RaggedPositions`."""
-    positions = RaggedPositions(left_padding)
-    return [RaggedKVCache(left_padding, positions) for _ in range(n)]
-
-
-__all__ = ["RaggedKVCache", "RaggedPositions", "make_ragged_caches"]
+__all__ = ["RaggedKVCache", "RaggedPositions"]
