@@ -235,7 +235,11 @@ def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, re
     rec = HeadRecorder(rt, prompts)
     pattern = [1, 1, 0, 1, 0, 0, 1, 1]  # all-accept and repair cycles, both followed by both
     head = ScriptedHead(rec, refs, prompts, "pattern", rng, pattern=pattern)
-    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=serial, reject_mode=reject_mode)
+    # Eager: the recorder reads each head call on the host, which a compiled
+    # step (traced once) cannot do.
+    r = generate_greedy_batched(
+        head, prompts, max_new_tokens=cap, serial=serial, reject_mode=reject_mode, enforce_eager=True
+    )
     if rolls_back(model_type, reject_mode):
         assert r.repair_cycles == 0 and 0 < r.accepted < r.drafted
     else:
@@ -438,22 +442,26 @@ def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_dr
 
 
 class PoisonRow:
-    """Makes the trunk's logits NaN for one stream from the n-th decode forward on."""
+    """Makes the trunk's logits NaN for one stream once it is `after` tokens past its prompt.
 
-    def __init__(self, rt, row: int, after: int):
-        self.rt, self.row, self.after, self.calls = rt, row, after, 0
+    Decided on the device from the cache's per-stream offset, so it holds in
+    compiled steps (traced once) and in graphs built ahead alike.
+    """
+
+    def __init__(self, rt, row: int, after: int, prompt_len: int):
+        self.rt, self.row, self.start = rt, row, prompt_len + after
 
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
     def forward(self, tokens, cache, **kw):
         decoding = cache[0].size() > 0
+        # Position of this forward's first token, per stream (a KV layer's).
+        offset = next(c for c in cache if hasattr(c, "offset")).offset
         logits, hidden = self.rt.forward(tokens, cache, **kw)
         if decoding:
-            self.calls += 1
-            if self.calls > self.after:
-                bad = (mx.arange(logits.shape[0]) == self.row)[:, None, None]
-                logits = mx.where(bad, mx.array(float("nan"), logits.dtype), logits)
+            bad = (mx.arange(logits.shape[0]) == self.row) & (offset >= self.start)
+            logits = mx.where(bad[:, None, None], mx.array(float("nan"), logits.dtype), logits)
         return logits, hidden
 
 
@@ -464,7 +472,7 @@ def test_nan_logits_of_a_live_stream_raise_an_error_naming_it(mtp, serial):
     rt = _runtime("qwen3", rng)
     prompts = _prompts(rng, rt.vocab_size, 4)
     row = int(rng.integers(4))
-    runtime = PoisonRow(rt, row, after=int(rng.integers(0, 3)))
+    runtime = PoisonRow(rt, row, int(rng.integers(0, 3)), len(prompts[row]))
     with pytest.raises(RuntimeError, match=rf"^stream {row}:"):
         generate_greedy_batched(runtime, prompts, max_new_tokens=12, use_mtp_draft=mtp, serial=serial)
 
@@ -477,7 +485,7 @@ def test_nan_logits_of_a_finished_stream_are_ignored():
     refs = [reference(rt, p, cap) for p in prompts]
     stop = refs[0][0][0]  # stream 0 stops at its first token
     stops = {stop}
-    runtime = PoisonRow(rt, 0, after=0)
+    runtime = PoisonRow(rt, 0, 0, len(prompts[0]))
     r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops)
     assert r.streams[0].tokens == [stop] and r.streams[0].finish_reason == "stop"
     for i in (1, 2):

@@ -27,6 +27,11 @@ the trunk: after each cycle it consumes the committed positions, and its
 output at the last one is the next draft.
 
 All arrays stay on the device between cycles; the host only reads bundles.
+
+Greedy decoding of attention-only trunks (plain, or MTP with per-stream
+rollback) runs each step through `mx.compile` unless `enforce_eager`: the
+caches get a fixed capacity, the step is traced once and replayed
+(`CompiledStep`). Sampled decoding and hybrid trunks run eagerly.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import numpy as np
 from mlx_lm.generate import wired_limit
 
 from mtplx_ext import cache_state
+from mtplx_ext.compiled_step import CompiledStep
 from mtplx_ext.verify import (
     COL_ACCEPT,
     COL_BONUS,
@@ -88,6 +94,7 @@ class BatchedDecodeResult:
         host_syncs: blocking host reads during decode (one per cycle).
         sync_wait_s: seconds the host spent blocked in those reads (the
             rest of decode_s is host work the device did not hide).
+        compiled: whether the decode steps ran through `mx.compile`.
         prefill_s: seconds from the call to the end of the prefill.
         decode_s: seconds of the decode cycles.
     """
@@ -100,6 +107,7 @@ class BatchedDecodeResult:
     accepted: int = 0
     host_syncs: int = 0
     sync_wait_s: float = 0.0
+    compiled: bool = False
     prefill_s: float = 0.0
     decode_s: float = 0.0
 
@@ -257,6 +265,8 @@ class _Pending:
     bundle: mx.array
     hidden: mx.array | None = None
     snapshot: cache_state.RecurrentSnapshot | None = None
+    # The next (x0, draft), when the step already built it (compiled steps).
+    next_tokens: mx.array | None = None
 
 
 class _Decoder:
@@ -272,6 +282,31 @@ class _Decoder:
         self.recurrent = cache_state.has_recurrent_state(cache)
         # Per-stream rollback (RaggedKVCache layers) instead of batch repair.
         self.rollback = rollback
+        self.compiled: CompiledStep | None = None
+
+    def compile_steps(self) -> None:
+        """Replays every later step through `mx.compile` (after the prefill).
+
+        Needs fixed-capacity ragged caches and a policy whose graph does not
+        change between cycles (greedy); MTP needs per-stream rollback.
+        """
+        unit = self._mtp_unit if self.head_cache is not None else self._plain_unit
+        self.compiled = CompiledStep(unit, self.caches())
+
+    def _mtp_unit(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
+        p = self.verify_step(tokens, None, 0)
+        nxt, _ = self.after_rollback(p, 0)
+        return p.bundle, nxt
+
+    def _plain_unit(self, tokens: mx.array) -> mx.array:
+        return self.plain_step(tokens, 0).bundle
+
+    def launch(self, tokens: mx.array) -> _Pending:
+        """A compiled step from [B, 2] (x0, draft), or [B, 1] x0 when plain."""
+        if self.head_cache is None:
+            return _Pending(self.compiled(tokens))
+        bundle, nxt = self.compiled(tokens)
+        return _Pending(bundle, next_tokens=nxt)
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
@@ -457,6 +492,8 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
 
 def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int) -> _Pending:
     """Builds cycle `step` after `p`: (repair and) head step, then verification."""
+    if dec.compiled is not None:
+        return dec.launch(p.next_tokens if mtp else p.bundle)
     if not mtp:
         return dec.plain_step(p.bundle, step)
     if dec.rollback:
@@ -548,6 +585,7 @@ def generate_batched(
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,
+    enforce_eager: bool = False,
 ) -> BatchedDecodeResult:
     """Decodes a batch of prompts with MTP drafts verified in one forward per cycle.
 
@@ -576,6 +614,10 @@ def generate_batched(
             forwards either way.
         on_commit: called as on_commit(stream index, new token ids) when a
             stream commits tokens.
+        enforce_eager: True builds every step's graph in Python; False
+            compiles the steps where it can (greedy decoding of an
+            attention-only trunk, MTP with per-stream rollback). Same tokens
+            either way, up to float rounding of fused element-wise kernels.
 
     Returns:
         A `BatchedDecodeResult`.
@@ -604,8 +646,14 @@ def generate_batched(
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
     with wired_limit(runtime), _fused_attention(runtime):
-        rollback = mtp and reject_mode == "repair" and not _has_recurrent_layers(runtime)
-        return _generate(runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback)
+        attention_only = not _has_recurrent_layers(runtime)
+        rollback = mtp and reject_mode == "repair" and attention_only
+        compiled = (
+            not bool(enforce_eager) and isinstance(policy, GreedyPolicy) and attention_only and (rollback or not mtp)
+        )
+        return _generate(
+            runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback, compiled
+        )
 
 
 def _fused_attention(runtime: Any) -> Any:
@@ -632,6 +680,7 @@ def _generate(
     serial: bool,
     on_commit: OnCommit | None,
     rollback: bool = False,
+    compiled: bool = False,
 ) -> BatchedDecodeResult:
     t0 = time.perf_counter()
     lengths = [len(p) for p in prompts]
@@ -640,6 +689,8 @@ def _generate(
     padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
     # (The ragged keyword only when used: runtimes without it still repair.)
     kw = {"ragged": True} if rollback else {}
+    if compiled:
+        kw = {"ragged": True, "capacity": width + _decode_slots(max_new_tokens, mtp)}
     cache = runtime.make_cache(pads, **kw)
     head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
     if rollback and hasattr(policy, "second_on_reject"):
@@ -651,7 +702,13 @@ def _generate(
     t1 = time.perf_counter()
 
     st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, not rollback)
-    first = dec.verify_step(tokens, info, 1) if mtp else _Pending(tokens)
+    if compiled:
+        dec.compile_steps()
+        st.result.compiled = True
+    if not mtp:
+        first = _Pending(tokens)
+    else:
+        first = dec.launch(tokens) if compiled else dec.verify_step(tokens, info, 1)
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
@@ -659,6 +716,15 @@ def _generate(
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
     return st.result
+
+
+def _decode_slots(max_new_tokens: int, mtp: bool) -> int:
+    """Cache slots a decode may write after the prompt, launched-ahead steps included.
+
+    Every step writes 1 (plain) or 2 (MTP) slots for every stream, finished
+    ones too, and a live stream commits at least one token per step.
+    """
+    return 2 * (max_new_tokens + 3) if mtp else max_new_tokens + 2
 
 
 def generate_greedy_batched(
@@ -671,6 +737,7 @@ def generate_greedy_batched(
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,
+    enforce_eager: bool = False,
 ) -> BatchedDecodeResult:
     """Greedy batched MTP decoding: `generate_batched` at temperature 0.
 
@@ -685,4 +752,5 @@ def generate_greedy_batched(
         reject_mode=reject_mode,
         serial=serial,
         on_commit=on_commit,
+        enforce_eager=enforce_eager,
     )

@@ -13,6 +13,10 @@ Layout of stream b: slots [0, left_padding[b]) are prompt padding, slots
 hold dropped drafts or nothing and are masked out (the next write to the
 stream overwrites them). `size()` is a host-side upper bound of the ends.
 
+With a fixed `capacity` the buffers are allocated once and every forward
+attends over all of them (masked): shapes never change, so a decode step
+can be `mx.compile`d and replayed (`mtplx_ext.compiled_step`).
+
 The layers of one model advance in lockstep, so they share one
 `RaggedPositions`: the write slots, RoPE offsets and mask of a forward are
 built once for all layers instead of once per layer (on MLX's CPU backend a
@@ -36,11 +40,16 @@ class RaggedPositions:
     mlx-lm idiom of calling `trim` on every layer trims once.
     """
 
-    def __init__(self, left_padding: list[int]):
+    def __init__(self, left_padding: list[int], capacity: int | None = None):
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be a positive slot count or None, got {capacity}")
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
+        self.capacity = capacity
         self.idx = 0  # host upper bound of the ends
-        self.ragged = False  # True once streams may end at different slots
+        # True once streams may end at different slots; with a fixed capacity
+        # writes always go through the device-side ends (replayable).
+        self.ragged = capacity is not None
         self.tick = 0
         self._offset: mx.array | None = None
         # The change that led to `tick`: (kind, argument), and for a forward
@@ -57,6 +66,10 @@ class RaggedPositions:
     def apply(self, kind: str, arg: Any) -> None:
         """Makes a change: ("forward", T), ("rollback", counts) or ("trim", n)."""
         if kind == "forward":
+            if self.capacity is not None and self.idx + arg > self.capacity:
+                raise ValueError(
+                    f"RaggedKVCache capacity exceeded: {self.idx} + {arg} slots > capacity {self.capacity}"
+                )
             write = None
             if self.ragged:
                 write = (self.ends[:, None] + mx.arange(arg, dtype=mx.int32))[:, None, :, None]
@@ -140,7 +153,8 @@ class RaggedKVCache(_BaseCache):
         B, H, _, Dk = like_k.shape
         Dv = like_v.shape[3]
         have = 0 if self.keys is None else self.keys.shape[2]
-        grow = ((end - have + self.step - 1) // self.step) * self.step
+        cap = self.positions.capacity
+        grow = cap if cap is not None else ((end - have + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((B, H, grow, Dk), like_k.dtype)
         new_v = mx.zeros((B, H, grow, Dv), like_v.dtype)
         if self.keys is None:
@@ -162,14 +176,19 @@ class RaggedKVCache(_BaseCache):
         else:
             self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(write, keys.shape), keys, axis=2)
             self.values = mx.put_along_axis(self.values, mx.broadcast_to(write, values.shape), values, axis=2)
+        if p.capacity is not None:
+            return self.keys, self.values
         return self.keys[..., : p.idx, :], self.values[..., : p.idx, :]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
-        """[B, 1, N, size() + N] bool: query t of stream b sees its slots up to ends[b] + t."""
+        """[B, 1, N, S] bool: query t of stream b sees its slots up to ends[b] + t.
+
+        S is size() + N, or the capacity when it is fixed.
+        """
         if window_size is not None:
             raise NotImplementedError("RaggedKVCache does not support sliding-window attention")
         p = self.positions
-        slots = mx.arange(p.idx + N, dtype=mx.int32)
+        slots = mx.arange(p.idx + N if p.capacity is None else p.capacity, dtype=mx.int32)
         query_slots = p.ends[:, None] + mx.arange(N, dtype=mx.int32)
         mask = (slots[None, None, :] <= query_slots[:, :, None]) & (slots[None, None, :] >= p.left_padding[:, None, None])
         return mask[:, None]

@@ -108,7 +108,7 @@ class MTPRuntime(nn.Module):
 
     # -- caches ------------------------------------------------------------
 
-    def make_cache(self, left_padding: list[int], ragged: bool = False) -> list:
+    def make_cache(self, left_padding: list[int], ragged: bool = False, capacity: int | None = None) -> list:
         """Batch-aware trunk caches, one per layer.
 
         Args:
@@ -116,19 +116,21 @@ class MTPRuntime(nn.Module):
                 prompts (its length is the batch size).
             ragged: attention layers get a `RaggedKVCache` (each stream can
                 be rolled back on its own) instead of mlx-lm's `BatchKVCache`.
+            capacity: with `ragged`, a fixed slot count per stream (buffers
+                allocated once, shapes fixed: decode steps can be compiled).
 
         Returns:
             `BatchKVCache` (or `RaggedKVCache`) for attention layers,
             `ArraysCache(2, left_padding=...)` for recurrent layers.
         """
-        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding), ragged)
+        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding), ragged, capacity)
 
-    def make_head_cache(self, left_padding: list[int], ragged: bool = False) -> list:
+    def make_head_cache(self, left_padding: list[int], ragged: bool = False, capacity: int | None = None) -> list:
         """Batch-aware caches for the head's attention layer(s) (see `make_cache`)."""
         pads = _check_left_padding(left_padding)
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
-        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged)
+        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, capacity)
 
     @property
     def has_recurrent_layers(self) -> bool:

@@ -141,15 +141,22 @@ def project(trunk: nn.Module, normed: mx.array) -> mx.array:
     return lm.lm_head(normed)
 
 
-def make_trunk_cache(trunk: nn.Module, left_padding: list[int], ragged: bool = False) -> list[Any]:
+def make_trunk_cache(
+    trunk: nn.Module, left_padding: list[int], ragged: bool = False, capacity: int | None = None
+) -> list[Any]:
     """Batch-aware caches, one per trunk layer, for left-padded prompts."""
-    return make_layer_caches(trunk.model.layers, left_padding, ragged)
+    return make_layer_caches(trunk.model.layers, left_padding, ragged, capacity)
 
 
-def make_layer_caches(layers: list[nn.Module], left_padding: list[int], ragged: bool = False) -> list[Any]:
+def make_layer_caches(
+    layers: list[nn.Module], left_padding: list[int], ragged: bool = False, capacity: int | None = None
+) -> list[Any]:
     """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`
-    (`RaggedKVCache` when `ragged`: per-stream rollback without a re-forward)."""
-    positions = RaggedPositions(list(left_padding)) if ragged else None
+    (`RaggedKVCache` when `ragged`: per-stream rollback without a re-forward;
+    with a fixed slot `capacity` when given)."""
+    if capacity is not None and not ragged:
+        raise ValueError("capacity is only supported with ragged=True")
+    positions = RaggedPositions(list(left_padding), capacity) if ragged else None
     return [
         ArraysCache(size=2, left_padding=list(left_padding))
         if is_recurrent(l)

@@ -1,0 +1,88 @@
+"""CompiledStep: a decode step traced once by `mx.compile` and replayed.
+
+Over fixed-capacity `RaggedKVCache`s (writes at device-side ends, masks over
+every slot) a decode step builds the same graph each cycle. Traced once,
+each later call skips Python graph building and runs MLX's fused
+element-wise kernels; on MLX's CPU backend a small decode forward is bound
+by exactly that per-node work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
+
+
+class CompiledStep:
+    """Compiles `fn(*inputs)`, a step that reads and updates `cache_lists`.
+
+    The caches' arrays (per-stream ends, keys and values) become explicit
+    inputs and outputs of the compiled function, so each call goes on from
+    the state the previous one left, and the caches hold that state between
+    calls. Their host-side bookkeeping (`size()`, the layer ticks) only moves
+    while Python runs, i.e. at a trace: size the capacity for the whole
+    decode up front.
+
+    Args:
+        fn: builds the step's graph from array inputs and returns an array
+            or a tuple of arrays; it must change every layer of the caches
+            alike on every call (as a decode step does).
+        cache_lists: cache lists whose layers are all allocated
+            fixed-capacity `RaggedKVCache`s (e.g. after the prefill).
+
+    Raises:
+        ValueError: naming a layer that is not such a cache.
+    """
+
+    def __init__(self, fn: Callable[..., Any], cache_lists: Sequence[Sequence[Any]]):
+        self._layers: list[RaggedKVCache] = []
+        self._positions: list[RaggedPositions] = []
+        for i, caches in enumerate(cache_lists):
+            for j, c in enumerate(caches):
+                if not isinstance(c, RaggedKVCache) or c.positions.capacity is None:
+                    raise ValueError(
+                        f"cache_lists[{i}][{j}] ({type(c).__name__}) is not a fixed-capacity RaggedKVCache"
+                    )
+                if c.keys is None:
+                    raise ValueError(f"cache_lists[{i}][{j}] is not allocated yet (run the prefill first)")
+                self._layers.append(c)
+                if all(p is not c.positions for p in self._positions):
+                    self._positions.append(c.positions)
+        self._fn = fn
+        self._n_out = 0
+        self._tuple_out = False
+        self._compiled = mx.compile(self._traced)
+
+    def _state(self) -> list[mx.array]:
+        return [p.ends for p in self._positions] + [a for c in self._layers for a in (c.keys, c.values)]
+
+    def _load(self, state: Sequence[mx.array]) -> None:
+        n = len(self._positions)
+        for p, ends in zip(self._positions, state[:n]):
+            p.ends = ends
+            p._offset = None  # derived from the old ends
+        for i, c in enumerate(self._layers):
+            c.keys, c.values = state[n + 2 * i], state[n + 2 * i + 1]
+
+    def _traced(self, *args: mx.array) -> list[mx.array]:
+        n_state = len(self._positions) + 2 * len(self._layers)
+        self._load(args[:n_state])
+        out = self._fn(*args[n_state:])
+        self._tuple_out = isinstance(out, tuple)
+        outs = list(out) if self._tuple_out else [out]
+        self._n_out = len(outs)
+        return outs + self._state()
+
+    def __call__(self, *inputs: mx.array) -> Any:
+        """Runs the step (lazily, like any MLX op) and moves the caches on."""
+        res = self._compiled(*self._state(), *inputs)
+        n = self._n_out
+        self._load(res[n:])
+        return tuple(res[:n]) if self._tuple_out else res[0]
+
+
+__all__ = ["CompiledStep"]

@@ -1,0 +1,136 @@
+"""CompiledStep and fixed-capacity ragged caches: replayed steps equal eager ones."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache
+
+import mtplx_ext
+from mtplx_ext import cache_state, generate_batched, generate_greedy_batched
+from mtplx_ext.compiled_step import CompiledStep
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(1 << 30))
+
+
+def _ragged(rng: np.random.Generator, vocab: int, B: int) -> tuple[mx.array, list[int]]:
+    lengths = rng.integers(1, 9, size=B)
+    width = int(lengths.max())
+    pads = [width - int(n) for n in lengths]
+    return mx.array(rng.integers(0, vocab, size=(B, width)).astype(np.int32)), pads
+
+
+def test_compiled_pair_steps_with_rollbacks_equal_the_same_steps_run_eagerly():
+    # The step a decode cycle repeats: a [B, 2] forward, then a per-stream
+    # rollback by counts that come from the device. Replayed by mx.compile
+    # over fixed-capacity caches it must track eager growable caches.
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    V, B, steps = rt.vocab_size, 3, int(rng.integers(4, 9))
+    toks, pads = _ragged(rng, V, B)
+    eager = rt.make_cache(pads, ragged=True)
+    fixed = rt.make_cache(pads, ragged=True, capacity=toks.shape[1] + 2 * steps + int(rng.integers(0, 5)))
+    for c in (eager, fixed):
+        rt.forward(toks, c)
+        mx.eval([l.state for l in c])
+    traces = []
+
+    def step(pair: mx.array, drop: mx.array) -> mx.array:
+        traces.append(1)
+        logits, _ = rt.forward(pair, fixed)
+        cache_state.rollback_streams(fixed, drop)
+        return logits
+
+    compiled = CompiledStep(step, [fixed])
+    for _ in range(steps):
+        pair = mx.array(rng.integers(0, V, size=(B, 2)).astype(np.int32))
+        drop = mx.array(rng.integers(0, 3, size=B).astype(np.int32))
+        got = compiled(pair, drop)
+        want, _ = rt.forward(pair, eager)
+        cache_state.rollback_streams(eager, drop)
+        np.testing.assert_allclose(np.array(got, np.float64), np.array(want, np.float64), rtol=1e-4, atol=1e-4)
+    assert len(traces) == 1, f"traced {len(traces)} times: the step was not replayed"
+    assert np.array_equal(np.array(fixed[0].ends), np.array(eager[0].ends))
+
+
+def test_compiled_step_refuses_caches_without_a_fixed_capacity():
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    growable = rt.make_cache([0, 1], ragged=True)
+    with pytest.raises(ValueError, match=r"cache_lists\[0\]\[0\].*not a fixed-capacity"):
+        CompiledStep(lambda t: t, [growable])
+    with pytest.raises(ValueError, match=r"cache_lists\[1\]\[0\].*BatchKVCache"):
+        CompiledStep(lambda t: t, [[], [BatchKVCache([0])]])
+    empty = rt.make_cache([0, 1], ragged=True, capacity=8)
+    with pytest.raises(ValueError, match="not allocated"):
+        CompiledStep(lambda t: t, [empty])
+
+
+def test_a_fixed_capacity_cache_refuses_a_forward_past_its_capacity():
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    cache = rt.make_cache([0, 0], ragged=True, capacity=5)
+    rt.forward(mx.zeros((2, 4), mx.int32), cache)
+    with pytest.raises(ValueError, match=r"capacity exceeded: 4 \+ 2 slots > capacity 5"):
+        rt.forward(mx.zeros((2, 2), mx.int32), cache)
+    with pytest.raises(ValueError, match="capacity must be"):
+        rt.make_cache([0], ragged=True, capacity=0)
+    with pytest.raises(ValueError, match="only supported with ragged"):
+        rt.make_cache([0], capacity=8)
+
+
+class CountingForwards:
+    """Counts the runtime's trunk forwards that Python actually builds."""
+
+    def __init__(self, rt):
+        self.rt, self.calls = rt, 0
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def forward(self, *args, **kw):
+        self.calls += 1
+        return self.rt.forward(*args, **kw)
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_greedy_decoding_builds_one_step_in_python_and_replays_it(mtp):
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
+    runs = {}
+    for eager in (False, True):
+        counting = CountingForwards(rt)
+        r = generate_greedy_batched(counting, prompts, max_new_tokens=24, use_mtp_draft=mtp, enforce_eager=eager)
+        runs[eager] = (r, counting.calls)
+    (compiled, built), (eager, eager_built) = runs[False], runs[True]
+    assert compiled.compiled and not eager.compiled
+    assert built == 2, f"{built} forwards built in Python: prefill and one traced step expected"
+    assert eager_built > 10
+    assert compiled.forwards == eager.forwards and compiled.cycles == eager.cycles
+    for i, (a, b) in enumerate(zip(compiled.streams, eager.streams)):
+        assert a.tokens == b.tokens, f"stream {i}"
+
+
+@pytest.mark.parametrize(
+    "model_type, kw",
+    [
+        ("qwen3", dict(enforce_eager=True)),
+        ("qwen3", dict(reject_mode="reforward")),
+        ("qwen3_next", dict()),
+        ("qwen3_next", dict(use_mtp_draft=False)),
+    ],
+)
+def test_decoding_runs_eagerly_where_steps_cannot_be_compiled(model_type, kw):
+    rt = mtplx_ext.init_random(model_type, seed=_seed())
+    r = generate_greedy_batched(rt, [[1, 2, 3], [4]], max_new_tokens=6, **kw)
+    assert not r.compiled
+
+
+def test_sampled_decoding_runs_eagerly():
+    from mtplx_ext import SamplerConfig
+
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    r = generate_batched(rt, [[1, 2, 3]], max_new_tokens=6, sampler=SamplerConfig(temperature=0.8), seed=1)
+    assert not r.compiled
