@@ -156,12 +156,13 @@ def _decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_comm
             return mtplx_ext.generate_batched(
                 rt, prompts, max_new_tokens=args.max_tokens, sampler=sampler, seed=args.seed,
                 stop_token_ids=stop, use_mtp_draft=not args.no_mtp, on_commit=on_commit,
+                enforce_eager=args.enforce_eager,
             )
         except NotImplementedError as e:
             raise CLIError(f"--temperature > 0 is not available in this build: {e}") from e
     return mtplx_ext.generate_greedy_batched(
         rt, prompts, max_new_tokens=args.max_tokens, stop_token_ids=stop,
-        use_mtp_draft=not args.no_mtp, on_commit=on_commit,
+        use_mtp_draft=not args.no_mtp, on_commit=on_commit, enforce_eager=args.enforce_eager,
     )
 
 
@@ -182,7 +183,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"-- {res.generated_tokens} tokens in {res.decode_s:.2f}s: {res.tokens_per_s:.1f} tokens/s, "
         f"{mode}, {res.forwards / max(per_stream, 1):.2f} forwards/token, "
-        f"batch {len(prompts)}, BLAS {_blas.status().name}",
+        f"batch {len(prompts)}, {'compiled' if res.compiled else 'eager'} steps, BLAS {_blas.status().name}",
         file=sys.stderr,
     )
     return 0
@@ -205,14 +206,17 @@ class Run:
     accepted: int = 0
     forwards: int = 0
     stream_tokens: float = 0.0
+    compiled: bool | None = None  # engine runs: whether steps ran through mx.compile
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool) -> Run:
-    r = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, use_mtp_draft=mtp)
+def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool, enforce_eager: bool = False) -> Run:
+    r = mtplx_ext.generate_greedy_batched(
+        rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager
+    )
     per_stream = r.generated_tokens / len(prompts)
     return Run(
         tokens=r.generated_tokens,
@@ -224,6 +228,7 @@ def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool) -> Run:
         accepted=r.accepted,
         forwards=r.forwards,
         stream_tokens=per_stream,
+        compiled=r.compiled,
     )
 
 
@@ -255,6 +260,7 @@ def _combined(runs: list[Run]) -> Run:
         accepted=sum(r.accepted for r in runs),
         forwards=sum(r.forwards for r in runs),
         stream_tokens=stream_tokens,
+        compiled=all(r.compiled for r in runs) if engine else None,
     )
 
 
@@ -352,17 +358,19 @@ def run_bench(
     repeats: int,
     progress: bool = True,
     baseline: Any = None,
+    enforce_eager: bool = False,
 ) -> dict:
     """All methods at all batch sizes, interleaved per repeat; medians of repeats.
 
     `baseline` is the model mlx-lm's generation runs (default: rt's trunk);
     give the one `mlx_lm_model` loads, so that it runs mlx-lm's own modules.
+    `enforce_eager` keeps the engine's steps out of `mx.compile`.
     """
     baseline = rt.trunk if baseline is None else baseline
     prompt_ids = _encode(tok, list(BENCH_PROMPTS))
     runners = {
-        "mtp": lambda p: _engine_run(rt, p, n, True),
-        "plain": lambda p: _engine_run(rt, p, n, False),
+        "mtp": lambda p: _engine_run(rt, p, n, True, enforce_eager),
+        "plain": lambda p: _engine_run(rt, p, n, False, enforce_eager),
         "mlx-lm": lambda p: _mlx_lm_run(baseline, p, n),
     }
     total = len(batches) * len(METHODS) * (repeats + 1)
@@ -407,17 +415,27 @@ def run_bench(
                 "forwards_per_token": statistics.median(fpt) if fpt else None,
                 "streams_equal_to_plain": sum(a == c for a, c in zip(rs[0].outputs, ref_out)),
                 "streams": len(ref_out),
+                "compiled": rs[0].compiled,
                 "tokens_per_s_repeats": [r.tokens_per_s for r in rs],
             })
     if bar is not None:
         bar.close()
-    return {"tokens": n, "repeats": repeats, "rows": rows, "versions": versions()}
+    return {
+        "tokens": n,
+        "repeats": repeats,
+        "enforce_eager": bool(enforce_eager),
+        "rows": rows,
+        "versions": versions(),
+    }
 
 
 def format_table(report: dict) -> str:
     """A Markdown table of a bench report."""
+    engine = [r["compiled"] for r in report["rows"] if r.get("compiled") is not None]
+    steps = "compiled (mx.compile)" if engine and all(engine) else "eager" if not any(engine) else "mixed"
     lines = [
         f"BLAS: {report['versions']['blas']}",
+        f"engine decode steps: {steps}",
         f"{report['tokens']} new tokens per stream, median of {report['repeats']} repeats "
         "(x plain: median of the per-repeat ratios)",
         "",
@@ -468,7 +486,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
     baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL)
     report = run_bench(
-        rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline
+        rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
+        enforce_eager=args.enforce_eager,
     )
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
@@ -523,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_non_negative("--top-k", int), default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
     g.set_defaults(func=cmd_generate)
 
     b = sub.add_parser("bench", help="MTP vs plain decoding vs mlx-lm, tokens/s")
@@ -538,6 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the full report here")
     b.add_argument("--plot", help="write a bar chart PNG here (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--enforce-eager", action="store_true", help="the engine builds every step in Python (no mx.compile)")
     b.set_defaults(func=cmd_bench)
     return p
 

@@ -690,7 +690,7 @@ def _generate(
     # (The ragged keyword only when used: runtimes without it still repair.)
     kw = {"ragged": True} if rollback else {}
     if compiled:
-        kw = {"ragged": True, "capacity": width + _decode_slots(max_new_tokens, mtp)}
+        kw = {"ragged": True, "capacity": width + _decode_slots(max_new_tokens)}
     cache = runtime.make_cache(pads, **kw)
     head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
     if rollback and hasattr(policy, "second_on_reject"):
@@ -718,13 +718,14 @@ def _generate(
     return st.result
 
 
-def _decode_slots(max_new_tokens: int, mtp: bool) -> int:
-    """Cache slots a decode may write after the prompt, launched-ahead steps included.
+def _decode_slots(max_new_tokens: int) -> int:
+    """Cache slots a live stream may write after the prompt.
 
-    Every step writes 1 (plain) or 2 (MTP) slots for every stream, finished
-    ones too, and a live stream commits at least one token per step.
+    A live stream has committed fewer than max_new_tokens tokens, and a step
+    writes its last x0 (and draft) after them. Finished streams are still
+    computed; their writes past the capacity are clamped and ignored.
     """
-    return 2 * (max_new_tokens + 3) if mtp else max_new_tokens + 2
+    return max_new_tokens + 2
 
 
 def generate_greedy_batched(

@@ -46,6 +46,9 @@ class RaggedPositions:
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
         self.capacity = capacity
+        # An array, not a Python scalar: a compiled step would bake a scalar
+        # into its fused kernels, and compile them anew for every capacity.
+        self._last_slot = None if capacity is None else mx.full((len(left_padding), 1), capacity - 1, mx.int32)
         self.idx = 0  # host upper bound of the ends
         # True once streams may end at different slots; with a fixed capacity
         # writes always go through the device-side ends (replayable).
@@ -72,7 +75,13 @@ class RaggedPositions:
                 )
             write = None
             if self.ragged:
-                write = (self.ends[:, None] + mx.arange(arg, dtype=mx.int32))[:, None, :, None]
+                write = self.ends[:, None] + mx.arange(arg, dtype=mx.int32)
+                if self.capacity is not None:
+                    # Replayed steps never re-check the host bound: a stream
+                    # past the capacity (finished, still computed) writes its
+                    # last slot again instead of outside its buffer.
+                    write = mx.minimum(write, self._last_slot)
+                write = write[:, None, :, None]
             self.last_forward = (self.idx, write, self.offset())
             self.ends = self.ends + arg
             self.idx += arg
