@@ -134,3 +134,24 @@ def test_sampled_decoding_runs_eagerly():
     rt = mtplx_ext.init_random("qwen3", seed=_seed())
     r = generate_batched(rt, [[1, 2, 3]], max_new_tokens=6, sampler=SamplerConfig(temperature=0.8), seed=1)
     assert not r.compiled
+
+
+def test_a_new_capacity_builds_no_new_fused_kernel():
+    # MLX bakes scalar constants into the fused kernels of a compiled graph
+    # and compiles (C++ on the CPU backend) every new variant: a capacity in
+    # the step's graph would cost a compiler run for each prompt length.
+    import tempfile
+    from pathlib import Path
+
+    cache_dir = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    generate_greedy_batched(rt, [[1, 2, 3]], max_new_tokens=9)
+    if not cache_dir.is_dir():
+        pytest.skip("MLX keeps no fused-kernel cache here")
+    before = set(cache_dir.iterdir())
+    # Capacities unlikely to have been seen before (a warm cache would hide a baked value).
+    for width in np.random.default_rng().integers(100, 1000, size=2):
+        prompt = [int(t) % rt.vocab_size for t in range(width)]
+        generate_greedy_batched(rt, [prompt], max_new_tokens=5)
+        generate_greedy_batched(rt, [prompt], max_new_tokens=5, use_mtp_draft=False)
+    assert set(cache_dir.iterdir()) == before

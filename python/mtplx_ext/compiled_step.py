@@ -58,18 +58,24 @@ class CompiledStep:
         self._compiled = mx.compile(self._traced)
 
     def _state(self) -> list[mx.array]:
-        return [p.ends for p in self._positions] + [a for c in self._layers for a in (c.keys, c.values)]
+        # The last-slot arrays only pass through: as inputs, MLX never bakes
+        # their value into a fused kernel (which it would recompile per value).
+        return (
+            [p.ends for p in self._positions]
+            + [p._last_slot for p in self._positions]
+            + [a for c in self._layers for a in (c.keys, c.values)]
+        )
 
     def _load(self, state: Sequence[mx.array]) -> None:
         n = len(self._positions)
-        for p, ends in zip(self._positions, state[:n]):
-            p.ends = ends
+        for i, p in enumerate(self._positions):
+            p.ends, p._last_slot = state[i], state[n + i]
             p._offset = None  # derived from the old ends
         for i, c in enumerate(self._layers):
-            c.keys, c.values = state[n + 2 * i], state[n + 2 * i + 1]
+            c.keys, c.values = state[2 * n + 2 * i], state[2 * n + 2 * i + 1]
 
     def _traced(self, *args: mx.array) -> list[mx.array]:
-        n_state = len(self._positions) + 2 * len(self._layers)
+        n_state = 2 * len(self._positions) + 2 * len(self._layers)
         self._load(args[:n_state])
         out = self._fn(*args[n_state:])
         self._tuple_out = isinstance(out, tuple)

@@ -46,8 +46,8 @@ class RaggedPositions:
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
         self.capacity = capacity
-        # An array, not a Python scalar: a compiled step would bake a scalar
-        # into its fused kernels, and compile them anew for every capacity.
+        # An array, not a Python scalar, so that a compiled step can take it
+        # as an input instead of baking the capacity into its fused kernels.
         self._last_slot = None if capacity is None else mx.full((len(left_padding), 1), capacity - 1, mx.int32)
         self.idx = 0  # host upper bound of the ends
         # True once streams may end at different slots; with a fixed capacity
