@@ -128,12 +128,32 @@ def test_decoding_runs_eagerly_where_steps_cannot_be_compiled(model_type, kw):
     assert not r.compiled
 
 
-def test_sampled_decoding_runs_eagerly():
+@pytest.mark.parametrize("mtp", [False, True])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_compiled_sampled_decoding_draws_the_eager_tokens(mtp, penalties):
+    # The cycle number is an input of the compiled step and the uniforms'
+    # keys are derived from it on the device: a step that baked the cycle
+    # number in (or dropped the penalty counts) would draw other tokens.
     from mtplx_ext import SamplerConfig
 
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
-    r = generate_batched(rt, [[1, 2, 3]], max_new_tokens=6, sampler=SamplerConfig(temperature=0.8), seed=1)
-    assert not r.compiled
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed(), vocab_size=32)
+    prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
+    extra = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2) if penalties else {}
+    cfg = SamplerConfig(temperature=1.0, top_k=20, **extra)
+    seed = int(rng.integers(1 << 30))
+    runs = {}
+    for eager in (False, True):
+        counting = CountingForwards(rt)
+        r = generate_batched(
+            counting, prompts, max_new_tokens=20, sampler=cfg, seed=seed, use_mtp_draft=mtp, enforce_eager=eager
+        )
+        runs[eager] = (r, counting.calls)
+    (compiled, built), (eager, _) = runs[False], runs[True]
+    assert compiled.compiled and not eager.compiled and built == 2
+    for i, (a, b) in enumerate(zip(compiled.streams, eager.streams)):
+        assert a.tokens == b.tokens, f"stream {i}"
+    assert compiled.accepted == eager.accepted
 
 
 def test_a_new_capacity_builds_no_new_fused_kernel():

@@ -20,10 +20,10 @@ from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
 class CompiledStep:
     """Compiles `fn(*inputs)`, a step that reads and updates `cache_lists`.
 
-    The caches' arrays (per-stream ends, keys and values) become explicit
-    inputs and outputs of the compiled function, so each call goes on from
-    the state the previous one left, and the caches hold that state between
-    calls. Their host-side bookkeeping (`size()`, the layer ticks) only moves
+    The caches' arrays (per-stream ends, keys and values) and the `holders`'
+    array attributes become explicit inputs and outputs of the compiled
+    function, so each call goes on from the state the previous one left, and
+    the caches and holders keep that state between calls. Their host-side bookkeeping (`size()`, the layer ticks) only moves
     while Python runs, i.e. at a trace: size the capacity for the whole
     decode up front.
 
@@ -33,12 +33,21 @@ class CompiledStep:
             alike on every call (as a decode step does).
         cache_lists: cache lists whose layers are all allocated
             fixed-capacity `RaggedKVCache`s (e.g. after the prefill).
+        holders: (object, attribute) pairs of other device state the step
+            reads or replaces, e.g. a token policy's penalty counts; each
+            must hold an array.
 
     Raises:
-        ValueError: naming a layer that is not such a cache.
+        ValueError: naming a layer that is not such a cache, or a holder
+            attribute that is not an array.
     """
 
-    def __init__(self, fn: Callable[..., Any], cache_lists: Sequence[Sequence[Any]]):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        cache_lists: Sequence[Sequence[Any]],
+        holders: Sequence[tuple[Any, str]] = (),
+    ):
         self._layers: list[RaggedKVCache] = []
         self._positions: list[RaggedPositions] = []
         for i, caches in enumerate(cache_lists):
@@ -52,6 +61,10 @@ class CompiledStep:
                 self._layers.append(c)
                 if all(p is not c.positions for p in self._positions):
                     self._positions.append(c.positions)
+        for obj, name in holders:
+            if not isinstance(getattr(obj, name, None), mx.array):
+                raise ValueError(f"holder {type(obj).__name__}.{name} is not an mx.array")
+        self._holders = list(holders)
         self._fn = fn
         self._n_out = 0
         self._tuple_out = False
@@ -64,6 +77,7 @@ class CompiledStep:
             [p.ends for p in self._positions]
             + [p._last_slot for p in self._positions]
             + [a for c in self._layers for a in (c.keys, c.values)]
+            + [getattr(obj, name) for obj, name in self._holders]
         )
 
     def _load(self, state: Sequence[mx.array]) -> None:
@@ -73,9 +87,12 @@ class CompiledStep:
             p._offset = None  # derived from the old ends
         for i, c in enumerate(self._layers):
             c.keys, c.values = state[2 * n + 2 * i], state[2 * n + 2 * i + 1]
+        base = 2 * n + 2 * len(self._layers)
+        for i, (obj, name) in enumerate(self._holders):
+            setattr(obj, name, state[base + i])
 
     def _traced(self, *args: mx.array) -> list[mx.array]:
-        n_state = 2 * len(self._positions) + 2 * len(self._layers)
+        n_state = 2 * len(self._positions) + 2 * len(self._layers) + len(self._holders)
         self._load(args[:n_state])
         out = self._fn(*args[n_state:])
         self._tuple_out = isinstance(out, tuple)

@@ -28,10 +28,11 @@ output at the last one is the next draft.
 
 All arrays stay on the device between cycles; the host only reads bundles.
 
-Greedy decoding of attention-only trunks (plain, or MTP with per-stream
-rollback) runs each step through `mx.compile` unless `enforce_eager`: the
-caches get a fixed capacity, the step is traced once and replayed
-(`CompiledStep`). Sampled decoding and hybrid trunks run eagerly.
+Decoding of attention-only trunks (plain, or MTP with per-stream rollback)
+runs each step through `mx.compile` unless `enforce_eager`: the caches get
+a fixed capacity, the step is traced once and replayed (`CompiledStep`),
+with the cycle number and the policy's device state as inputs. Hybrid
+trunks (uniform repair) run eagerly.
 """
 
 from __future__ import annotations
@@ -134,12 +135,16 @@ class TokenPolicy(Protocol):
     Tokens a policy cannot choose (non-finite logits) come out as INVALID.
     `step` is the cycle the call belongs to (0 for the prefill): a sampled
     policy derives its uniforms from (seed, row, step, call) so serial and
-    pipelined runs draw the same numbers. The pipelined loop checkpoints
+    pipelined runs draw the same numbers (`step` may be a device scalar:
+    in compiled steps it is an input). The pipelined loop checkpoints
     the policy's attributes (arrays aliased, as for caches) together with
     the caches and restores them when it drops a graph it built ahead, so
     per-stream state (e.g. penalty counts updated from bundles on the
-    device) belongs in plain attributes.
+    device) belongs in plain attributes, listed in `state_attrs` (compiled
+    steps pass them in and out; a policy without `state_attrs` runs eagerly).
     """
+
+    state_attrs: tuple[str, ...]
 
     def pick(self, logits: mx.array, step: int) -> mx.array:
         """[B, V] target logits -> [B] int32 token (prefill, repair, plain decoding)."""
@@ -153,6 +158,9 @@ class TokenPolicy(Protocol):
 
 class GreedyPolicy:
     """Temperature 0: argmax choices, draft accepted iff it equals the argmax."""
+
+    #: Device state carried between steps (see `SampledPolicy.state_attrs`).
+    state_attrs: tuple[str, ...] = ()
 
     def pick(self, logits: mx.array, step: int = 0) -> mx.array:
         # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
@@ -265,8 +273,10 @@ class _Pending:
     bundle: mx.array
     hidden: mx.array | None = None
     snapshot: cache_state.RecurrentSnapshot | None = None
-    # The next (x0, draft), when the step already built it (compiled steps).
+    # The next (x0, draft) and its draft info, when the step already built
+    # them (compiled steps).
     next_tokens: mx.array | None = None
+    next_info: Any = None
 
 
 class _Decoder:
@@ -287,26 +297,29 @@ class _Decoder:
     def compile_steps(self) -> None:
         """Replays every later step through `mx.compile` (after the prefill).
 
-        Needs fixed-capacity ragged caches and a policy whose graph does not
-        change between cycles (greedy); MTP needs per-stream rollback.
+        Needs fixed-capacity ragged caches and a policy that lists its
+        device state in `state_attrs`; MTP needs per-stream rollback.
         """
         unit = self._mtp_unit if self.head_cache is not None else self._plain_unit
-        self.compiled = CompiledStep(unit, self.caches())
+        holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
+        self.compiled = CompiledStep(unit, self.caches(), holders)
 
-    def _mtp_unit(self, tokens: mx.array) -> tuple[mx.array, mx.array]:
-        p = self.verify_step(tokens, None, 0)
-        nxt, _ = self.after_rollback(p, 0)
-        return p.bundle, nxt
+    def _mtp_unit(self, tokens: mx.array, step: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
+        # Cycle `step`'s verification, then the head's draft for cycle step + 1.
+        p = self.verify_step(tokens, info[0] if info else None, step)
+        nxt, nxt_info = self.after_rollback(p, step + 1)
+        return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,))
 
-    def _plain_unit(self, tokens: mx.array) -> mx.array:
-        return self.plain_step(tokens, 0).bundle
+    def _plain_unit(self, tokens: mx.array, step: mx.array) -> mx.array:
+        return self.plain_step(tokens, step).bundle
 
-    def launch(self, tokens: mx.array) -> _Pending:
-        """A compiled step from [B, 2] (x0, draft), or [B, 1] x0 when plain."""
+    def launch(self, tokens: mx.array, info: Any, step: int) -> _Pending:
+        """Compiled cycle `step` from [B, 2] (x0, draft) and its draft info, or [B, 1] x0 when plain."""
+        args = (tokens, mx.array(step, dtype=mx.uint32)) + (() if info is None else (info,))
         if self.head_cache is None:
-            return _Pending(self.compiled(tokens))
-        bundle, nxt = self.compiled(tokens)
-        return _Pending(bundle, next_tokens=nxt)
+            return _Pending(self.compiled(*args))
+        out = self.compiled(*args)
+        return _Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None)
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
@@ -493,7 +506,7 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
 def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int) -> _Pending:
     """Builds cycle `step` after `p`: (repair and) head step, then verification."""
     if dec.compiled is not None:
-        return dec.launch(p.next_tokens if mtp else p.bundle)
+        return dec.launch(p.next_tokens, p.next_info, step) if mtp else dec.launch(p.bundle, None, step)
     if not mtp:
         return dec.plain_step(p.bundle, step)
     if dec.rollback:
@@ -615,9 +628,9 @@ def generate_batched(
         on_commit: called as on_commit(stream index, new token ids) when a
             stream commits tokens.
         enforce_eager: True builds every step's graph in Python; False
-            compiles the steps where it can (greedy decoding of an
-            attention-only trunk, MTP with per-stream rollback). Same tokens
-            either way, up to float rounding of fused element-wise kernels.
+            compiles the steps where it can (attention-only trunks: plain
+            decoding, MTP with per-stream rollback). Same tokens either way,
+            up to float rounding of fused element-wise kernels.
 
     Returns:
         A `BatchedDecodeResult`.
@@ -649,7 +662,10 @@ def generate_batched(
         attention_only = not _has_recurrent_layers(runtime)
         rollback = mtp and reject_mode == "repair" and attention_only
         compiled = (
-            not bool(enforce_eager) and isinstance(policy, GreedyPolicy) and attention_only and (rollback or not mtp)
+            not bool(enforce_eager)
+            and hasattr(policy, "state_attrs")
+            and attention_only
+            and (rollback or not mtp)
         )
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback, compiled
@@ -708,7 +724,7 @@ def _generate(
     if not mtp:
         first = _Pending(tokens)
     else:
-        first = dec.launch(tokens) if compiled else dec.verify_step(tokens, info, 1)
+        first = dec.launch(tokens, info, 1) if compiled else dec.verify_step(tokens, info, 1)
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)

@@ -202,6 +202,10 @@ class SampledPolicy:
     stream has a penalty.
     """
 
+    #: Array attributes that carry device state from one decode step to the
+    #: next (a compiled step takes and returns them).
+    state_attrs = ("counts", "x0", "_keys", "_params")
+
     def __init__(
         self,
         sampler: SamplerConfig | Sequence[SamplerConfig],
@@ -259,20 +263,24 @@ class SampledPolicy:
             seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
         elif len(seeds) != B:
             raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
-        self._keys = np.stack([np.array(mx.random.key(s)) for s in seeds]).astype(np.uint32)
+        self._keys = mx.array(np.stack([np.array(mx.random.key(s)) for s in seeds]).astype(np.uint32))
         self._params = sampler_params(self.configs, B)
         cs = self._configs if self._configs is not None else [self._shared]
         self._penalties = any(c.has_penalties for c in cs)
         self._V = V
         self._ready = True
 
-    def _uniforms(self, step: int, calls: Sequence[int]) -> mx.array:
-        """[B, len(calls)] float32: row b's uniform of (step, call)."""
+    def _uniforms(self, step: int | mx.array, calls: Sequence[int]) -> mx.array:
+        """[B, len(calls)] float32: row b's uniform of (step, call).
+
+        `step` may be a device scalar (an input of a compiled decode step):
+        the keys are derived on the device either way, so both agree.
+        """
+        step = step.astype(mx.uint32) if isinstance(step, mx.array) else mx.array(step, dtype=mx.uint32)
         cols = []
         for c in calls:
-            k = self._keys.copy()
-            k[:, 1] ^= np.uint32(((step << 2) | c) & 0xFFFFFFFF)
-            cols.append(mx.vmap(lambda kk: mx.random.uniform(shape=(), key=kk))(mx.array(k)))
+            key = mx.stack([self._keys[:, 0], self._keys[:, 1] ^ ((step << 2) | c)], axis=1)
+            cols.append(mx.vmap(lambda kk: mx.random.uniform(shape=(), key=kk))(key))
         return mx.stack(cols, axis=1)
 
     def _add(self, counts: mx.array, tok: mx.array) -> mx.array:
