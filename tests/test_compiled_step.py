@@ -175,3 +175,42 @@ def test_a_new_capacity_builds_no_new_fused_kernel():
         generate_greedy_batched(rt, [prompt], max_new_tokens=5)
         generate_greedy_batched(rt, [prompt], max_new_tokens=5, use_mtp_draft=False)
     assert set(cache_dir.iterdir()) == before
+
+
+@pytest.mark.parametrize("mtp", [False, True])
+def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatch):
+    # A small growth step forces several reallocations (and re-traces)
+    # within one decode; tokens must not notice.
+    import mtplx_ext.decode as decode
+
+    monkeypatch.setattr(decode, "COMPILED_GROW_STEP", int(np.random.default_rng().integers(3, 7)))
+    rng = np.random.default_rng()
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
+    runs = {}
+    for eager in (False, True):
+        counting = CountingForwards(rt)
+        r = generate_greedy_batched(counting, prompts, max_new_tokens=30, use_mtp_draft=mtp, enforce_eager=eager)
+        runs[eager] = (r, counting.calls)
+    (compiled, built), (eager, _) = runs[False], runs[True]
+    assert compiled.compiled and built > 3, "the caches never grew"
+    for i, (a, b) in enumerate(zip(compiled.streams, eager.streams)):
+        assert a.tokens == b.tokens, f"stream {i}"
+
+
+def test_reserve_grows_every_layer_by_whole_steps_and_keeps_their_contents():
+    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    cache = rt.make_cache([1, 0], ragged=True, capacity=6)
+    rt.forward(mx.array([[0, 5, 6], [7, 8, 9]], dtype=mx.int32), cache)
+    before = [np.array(c.keys) for c in cache]
+    step = CompiledStep(lambda t: t + 1, [cache], grow_step=5)
+    step.reserve(6)
+    assert [c.keys.shape[2] for c in cache] == [6] * len(cache)
+    step.reserve(12)
+    assert cache[0].positions.capacity == 16
+    for c, b in zip(cache, before):
+        assert c.keys.shape[2] == c.values.shape[2] == 16
+        np.testing.assert_array_equal(np.array(c.keys)[:, :, :6], b)
+        assert not np.array(c.keys)[:, :, 6:].any()
+    with pytest.raises(ValueError, match="can only grow"):
+        cache[0].positions.set_capacity(8)

@@ -23,9 +23,14 @@ class CompiledStep:
     The caches' arrays (per-stream ends, keys and values) and the `holders`'
     array attributes become explicit inputs and outputs of the compiled
     function, so each call goes on from the state the previous one left, and
-    the caches and holders keep that state between calls. Their host-side bookkeeping (`size()`, the layer ticks) only moves
-    while Python runs, i.e. at a trace: size the capacity for the whole
-    decode up front.
+    the caches and holders keep that state between calls.
+
+    The caches' host-side bookkeeping (`size()`, the layer ticks) only moves
+    while Python runs, i.e. at a trace. The caller knows how many slots the
+    next call may write and says so with `reserve`: the caches then grow (by
+    `grow_step` slots or more), and the new shapes make `mx.compile` trace
+    the step once more. So a decode with a large token budget holds only
+    the slots it has used, rounded up.
 
     Args:
         fn: builds the step's graph from array inputs and returns an array
@@ -36,6 +41,7 @@ class CompiledStep:
         holders: (object, attribute) pairs of other device state the step
             reads or replaces, e.g. a token policy's penalty counts; each
             must hold an array.
+        grow_step: slots added (at least) when the caches must grow.
 
     Raises:
         ValueError: naming a layer that is not such a cache, or a holder
@@ -47,6 +53,7 @@ class CompiledStep:
         fn: Callable[..., Any],
         cache_lists: Sequence[Sequence[Any]],
         holders: Sequence[tuple[Any, str]] = (),
+        grow_step: int = 256,
     ):
         self._layers: list[RaggedKVCache] = []
         self._positions: list[RaggedPositions] = []
@@ -66,6 +73,8 @@ class CompiledStep:
                 raise ValueError(f"holder {type(obj).__name__}.{name} is not an mx.array")
         self._holders = list(holders)
         self._fn = fn
+        self._grow_step = max(1, int(grow_step))
+        self.traces = 0
         self._n_out = 0
         self._tuple_out = False
         self._compiled = mx.compile(self._traced)
@@ -95,10 +104,21 @@ class CompiledStep:
         n_state = 2 * len(self._positions) + 2 * len(self._layers) + len(self._holders)
         self._load(args[:n_state])
         out = self._fn(*args[n_state:])
+        self.traces += 1
         self._tuple_out = isinstance(out, tuple)
         outs = list(out) if self._tuple_out else [out]
         self._n_out = len(outs)
         return outs + self._state()
+
+    def reserve(self, slots: int) -> None:
+        """Grows the caches, if needed, so that every stream has `slots` slots."""
+        for p in self._positions:
+            if slots > p.capacity:
+                grown = p.capacity + self._grow_step * -(-(slots - p.capacity) // self._grow_step)
+                for c in self._layers:
+                    if c.positions is p:
+                        c.grow(grown)
+                p.set_capacity(grown)
 
     def __call__(self, *inputs: mx.array) -> Any:
         """Runs the step (lazily, like any MLX op) and moves the caches on."""

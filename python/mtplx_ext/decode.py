@@ -61,6 +61,8 @@ from mtplx_ext.verify import (
 REJECT_MODES = ("repair", "reforward")
 #: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
 PREFILL_STEP = 2048
+#: Cache slots compiled steps start with after the prompt, and grow by.
+COMPILED_GROW_STEP = 256
 
 OnCommit = Callable[[int, list[int]], None]
 
@@ -302,7 +304,7 @@ class _Decoder:
         """
         unit = self._mtp_unit if self.head_cache is not None else self._plain_unit
         holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
-        self.compiled = CompiledStep(unit, self.caches(), holders)
+        self.compiled = CompiledStep(unit, self.caches(), holders, grow_step=COMPILED_GROW_STEP)
 
     def _mtp_unit(self, tokens: mx.array, step: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
         # Cycle `step`'s verification, then the head's draft for cycle step + 1.
@@ -313,8 +315,12 @@ class _Decoder:
     def _plain_unit(self, tokens: mx.array, step: mx.array) -> mx.array:
         return self.plain_step(tokens, step).bundle
 
-    def launch(self, tokens: mx.array, info: Any, step: int) -> _Pending:
-        """Compiled cycle `step` from [B, 2] (x0, draft) and its draft info, or [B, 1] x0 when plain."""
+    def launch(self, tokens: mx.array, info: Any, step: int, slots: int) -> _Pending:
+        """Compiled cycle `step` from [B, 2] (x0, draft) and its draft info, or [B, 1] x0 when plain.
+
+        `slots`: cache slots (prompt included) that live streams may need.
+        """
+        self.compiled.reserve(slots)
         args = (tokens, mx.array(step, dtype=mx.uint32)) + (() if info is None else (info,))
         if self.head_cache is None:
             return _Pending(self.compiled(*args))
@@ -418,6 +424,7 @@ class _Streams:
         self.on_commit = on_commit
         self.done = np.zeros(n, dtype=bool)
         self.count = np.zeros(n, dtype=np.int64)
+        self.width = 0  # prompt slots of the caches (set by the decode)
 
     def decide(self, tokens: np.ndarray, accept: np.ndarray | None) -> tuple[list, bool]:
         """Which tokens each stream commits this cycle, and whether to repair.
@@ -488,6 +495,18 @@ class _Streams:
     def any_live(self) -> bool:
         return not bool(self.done.all())
 
+    def slots_needed(self) -> int:
+        """Cache slots (prompt included) the next launched step may write for live streams.
+
+        A step writes at most 2 slots after a stream's committed tokens, and
+        the step before it (launched, not read yet) commits at most 2 more.
+        A stream whose count would pass max_new_tokens is finished: its
+        writes are clamped and ignored.
+        """
+        live = self.count[~self.done]
+        most = int(live.max()) if live.size else 0
+        return self.width + min(most + 4, self.max_new + 2)
+
 
 def _read_bundle(p: _Pending, streams: _Streams) -> np.ndarray:
     t = time.perf_counter()
@@ -503,10 +522,12 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
     return b, None
 
 
-def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int) -> _Pending:
+def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int, slots: int = 0) -> _Pending:
     """Builds cycle `step` after `p`: (repair and) head step, then verification."""
     if dec.compiled is not None:
-        return dec.launch(p.next_tokens, p.next_info, step) if mtp else dec.launch(p.bundle, None, step)
+        if mtp:
+            return dec.launch(p.next_tokens, p.next_info, step, slots)
+        return dec.launch(p.bundle, None, step, slots)
     if not mtp:
         return dec.plain_step(p.bundle, step)
     if dec.rollback:
@@ -538,7 +559,7 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             # (plain decoding, per-stream rollback): build and launch it
             # before reading this one, so the device never waits for the
             # host; unless this cycle may end every stream at its cap.
-            spec = _next_step(dec, p, mtp, False, res.cycles + 1)
+            spec = _next_step(dec, p, mtp, False, res.cycles + 1, st.slots_needed())
             early = not st.may_all_finish(2 if mtp else 1)
             if early:
                 mx.async_eval(spec.bundle)
@@ -578,7 +599,7 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
         res.forwards += 1 + int(repair)
         res.repair_cycles += int(repair)
         if serial:
-            p = _next_step(dec, p, mtp, repair, res.cycles + 1)
+            p = _next_step(dec, p, mtp, repair, res.cycles + 1, st.slots_needed())
         else:
             # Late commit: host bookkeeping and callbacks overlap the device.
             st.apply(commits)
@@ -706,7 +727,7 @@ def _generate(
     # (The ragged keyword only when used: runtimes without it still repair.)
     kw = {"ragged": True} if rollback else {}
     if compiled:
-        kw = {"ragged": True, "capacity": width + _decode_slots(max_new_tokens)}
+        kw = {"ragged": True, "capacity": width + min(max_new_tokens + 2, COMPILED_GROW_STEP)}
     cache = runtime.make_cache(pads, **kw)
     head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
     if rollback and hasattr(policy, "second_on_reject"):
@@ -718,13 +739,14 @@ def _generate(
     t1 = time.perf_counter()
 
     st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, not rollback)
+    st.width = width
     if compiled:
         dec.compile_steps()
         st.result.compiled = True
     if not mtp:
         first = _Pending(tokens)
     else:
-        first = dec.launch(tokens, info, 1) if compiled else dec.verify_step(tokens, info, 1)
+        first = dec.launch(tokens, info, 1, st.slots_needed()) if compiled else dec.verify_step(tokens, info, 1)
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
@@ -732,16 +754,6 @@ def _generate(
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
     return st.result
-
-
-def _decode_slots(max_new_tokens: int) -> int:
-    """Cache slots a live stream may write after the prompt.
-
-    A live stream has committed fewer than max_new_tokens tokens, and a step
-    writes its last x0 (and draft) after them. Finished streams are still
-    computed; their writes past the capacity are clamped and ignored.
-    """
-    return max_new_tokens + 2
 
 
 def generate_greedy_batched(

@@ -60,6 +60,13 @@ class RaggedPositions:
         self.last_change: tuple[str, Any] | None = None
         self.last_forward: tuple[int, mx.array | None, mx.array] | None = None
 
+    def set_capacity(self, capacity: int) -> None:
+        """Raises a fixed capacity (the layers' buffers must grow with it: `RaggedKVCache.grow`)."""
+        if self.capacity is None or capacity < self.capacity:
+            raise ValueError(f"capacity can only grow from a fixed capacity: {self.capacity} -> {capacity}")
+        self.capacity = capacity
+        self._last_slot = mx.full(self._last_slot.shape, capacity - 1, mx.int32)
+
     def offset(self) -> mx.array:
         """[B] RoPE position of each stream's next token (built once per tick)."""
         if self._offset is None:
@@ -171,6 +178,13 @@ class RaggedKVCache(_BaseCache):
         else:
             self.keys = mx.concatenate([self.keys, new_k], axis=2)
             self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def grow(self, capacity: int) -> None:
+        """Pads the allocated buffers with empty slots up to `capacity` slots."""
+        have = self.keys.shape[2]
+        if capacity > have:
+            pad = [(0, 0), (0, 0), (0, capacity - have), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes [B, H, T, D] keys/values at each stream's end; returns the visible slots."""
