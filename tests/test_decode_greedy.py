@@ -422,7 +422,8 @@ def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_dr
     exact = True
     for mode in ("oracle", "wrong"):
         rec = StateRecorder(ScriptedHead(rt, [r[0] for r in refs], prompts, mode, rng))
-        r = generate_greedy_batched(rec, prompts, max_new_tokens=cap, serial=True)
+        # Eager: the recorder reads the state on the host at every forward.
+        r = generate_greedy_batched(rec, prompts, max_new_tokens=cap, serial=True, enforce_eager=True)
         runs[mode] = (r, rec.states)
         for i, s in enumerate(r.streams):
             exact &= check_stream(i, s, *refs[i], set(), cap)

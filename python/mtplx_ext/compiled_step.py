@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import ArraysCache
+
 from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
 
 
@@ -36,8 +38,9 @@ class CompiledStep:
         fn: builds the step's graph from array inputs and returns an array
             or a tuple of arrays; it must change every layer of the caches
             alike on every call (as a decode step does).
-        cache_lists: cache lists whose layers are all allocated
-            fixed-capacity `RaggedKVCache`s (e.g. after the prefill).
+        cache_lists: cache lists whose layers are allocated fixed-capacity
+            `RaggedKVCache`s or recurrent `ArraysCache`s past their prompt
+            (every leaf set, no padding mask), e.g. after the prefill.
         holders: (object, attribute) pairs of other device state the step
             reads or replaces, e.g. a token policy's penalty counts; each
             must hold an array.
@@ -57,11 +60,21 @@ class CompiledStep:
     ):
         self._layers: list[RaggedKVCache] = []
         self._positions: list[RaggedPositions] = []
+        self._recurrent: list[ArraysCache] = []
         for i, caches in enumerate(cache_lists):
             for j, c in enumerate(caches):
+                if isinstance(c, ArraysCache):
+                    if any(a is None for a in c.cache) or c.left_padding is not None or c.lengths is not None:
+                        raise ValueError(
+                            f"cache_lists[{i}][{j}] (ArraysCache) is still in its prompt phase "
+                            "(empty state or a padding mask: run the prefill and finish_prefill first)"
+                        )
+                    self._recurrent.append(c)
+                    continue
                 if not isinstance(c, RaggedKVCache) or c.positions.capacity is None:
                     raise ValueError(
-                        f"cache_lists[{i}][{j}] ({type(c).__name__}) is not a fixed-capacity RaggedKVCache"
+                        f"cache_lists[{i}][{j}] ({type(c).__name__}) is neither a fixed-capacity "
+                        "RaggedKVCache nor an ArraysCache"
                     )
                 if c.keys is None:
                     raise ValueError(f"cache_lists[{i}][{j}] is not allocated yet (run the prefill first)")
@@ -79,6 +92,14 @@ class CompiledStep:
         self._tuple_out = False
         self._compiled = mx.compile(self._traced)
 
+    def state(self) -> list[mx.array]:
+        """The arrays the step takes and returns (new handles: safe to keep)."""
+        return [mx.array(a) for a in self._state()]
+
+    def load(self, state: Sequence[mx.array]) -> None:
+        """Puts back a `state()` (e.g. to drop a step that was built and never run)."""
+        self._load(list(state))
+
     def _state(self) -> list[mx.array]:
         # The last-slot arrays only pass through: as inputs, MLX never bakes
         # their value into a fused kernel (which it would recompile per value).
@@ -86,6 +107,7 @@ class CompiledStep:
             [p.ends for p in self._positions]
             + [p._last_slot for p in self._positions]
             + [a for c in self._layers for a in (c.keys, c.values)]
+            + [a for c in self._recurrent for a in c.cache]
             + [getattr(obj, name) for obj, name in self._holders]
         )
 
@@ -97,11 +119,15 @@ class CompiledStep:
         for i, c in enumerate(self._layers):
             c.keys, c.values = state[2 * n + 2 * i], state[2 * n + 2 * i + 1]
         base = 2 * n + 2 * len(self._layers)
+        for c in self._recurrent:
+            k = len(c.cache)
+            c.cache = list(state[base : base + k])
+            base += k
         for i, (obj, name) in enumerate(self._holders):
             setattr(obj, name, state[base + i])
 
     def _traced(self, *args: mx.array) -> list[mx.array]:
-        n_state = 2 * len(self._positions) + 2 * len(self._layers) + len(self._holders)
+        n_state = len(self._state())
         self._load(args[:n_state])
         out = self._fn(*args[n_state:])
         self.traces += 1

@@ -28,11 +28,10 @@ output at the last one is the next draft.
 
 All arrays stay on the device between cycles; the host only reads bundles.
 
-Decoding of attention-only trunks (plain, or MTP with per-stream rollback)
-runs each step through `mx.compile` unless `enforce_eager`: the caches get
-a fixed capacity, the step is traced once and replayed (`CompiledStep`),
-with the cycle number and the policy's device state as inputs. Hybrid
-trunks (uniform repair) run eagerly.
+Unless `enforce_eager`, every step runs through `mx.compile`: the attention
+caches get a fixed capacity (grown in steps as needed), each kind of step
+is traced once and replayed (`CompiledStep`), with the cycle number, the
+caches, the recurrent state and the policy's device state as inputs.
 """
 
 from __future__ import annotations
@@ -294,38 +293,86 @@ class _Decoder:
         self.recurrent = cache_state.has_recurrent_state(cache)
         # Per-stream rollback (RaggedKVCache layers) instead of batch repair.
         self.rollback = rollback
-        self.compiled: CompiledStep | None = None
+        # Compiled steps by kind (see `compile_steps`), or None (eager).
+        self.compiled: dict[str, CompiledStep] | None = None
 
     def compile_steps(self) -> None:
         """Replays every later step through `mx.compile` (after the prefill).
 
-        Needs fixed-capacity ragged caches and a policy that lists its
-        device state in `state_attrs`; MTP needs per-stream rollback.
+        Needs fixed-capacity ragged caches and a policy that lists its device
+        state in `state_attrs`. Kinds: "plain"; "rollback" (MTP, per-stream
+        rollback: one step per cycle); "first", "accept" and "repair" (MTP,
+        uniform repair: the host picks accept or repair from the bundle).
+        All kinds share the caches and the policy's state.
         """
-        unit = self._mtp_unit if self.head_cache is not None else self._plain_unit
         holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
-        self.compiled = CompiledStep(unit, self.caches(), holders, grow_step=COMPILED_GROW_STEP)
+        if self.head_cache is None:
+            units = {"plain": self._plain_unit}
+        elif self.rollback:
+            units = {"rollback": self._rollback_unit}
+        else:
+            units = {"first": self._first_unit, "accept": self._accept_unit, "repair": self._repair_unit}
+        # The snapshot's layout (snapshot_recurrent's order: after the
+        # prefill every recurrent leaf holds state).
+        self._snapshot_slots = [
+            (c, k) for c in self.cache if cache_state.is_recurrent_cache(c) for k in range(len(c.cache))
+        ]
+        lists = self.caches()
+        self.compiled = {k: CompiledStep(u, lists, holders, grow_step=COMPILED_GROW_STEP) for k, u in units.items()}
 
-    def _mtp_unit(self, tokens: mx.array, step: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
+    def _rollback_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
         # Cycle `step`'s verification, then the head's draft for cycle step + 1.
         p = self.verify_step(tokens, info[0] if info else None, step)
         nxt, nxt_info = self.after_rollback(p, step + 1)
         return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,))
 
-    def _plain_unit(self, tokens: mx.array, step: mx.array) -> mx.array:
+    def _plain_unit(self, step: mx.array, tokens: mx.array) -> mx.array:
         return self.plain_step(tokens, step).bundle
 
-    def launch(self, tokens: mx.array, info: Any, step: int, slots: int) -> _Pending:
-        """Compiled cycle `step` from [B, 2] (x0, draft) and its draft info, or [B, 1] x0 when plain.
+    @staticmethod
+    def _pending_arrays(p: _Pending) -> tuple[mx.array, ...]:
+        return (p.bundle, p.hidden) + tuple(p.snapshot.arrays if p.snapshot is not None else ())
+
+    def _first_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
+        return self._pending_arrays(self.verify_step(tokens, info[0] if info else None, step))
+
+    def _accept_unit(self, step: mx.array, bundle: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
+        return self._pending_arrays(self.verify_step(*self.after_accept(_Pending(bundle, hidden), step), step))
+
+    def _repair_unit(self, step: mx.array, bundle: mx.array, hidden: mx.array, *snap: mx.array) -> tuple:
+        p = _Pending(bundle, hidden, self._snapshot(snap))
+        return self._pending_arrays(self.verify_step(*self.after_repair(p, step), step))
+
+    def _snapshot(self, arrays: Sequence[mx.array]) -> cache_state.RecurrentSnapshot | None:
+        if not self.recurrent:
+            return None
+        return cache_state.RecurrentSnapshot(slots=list(self._snapshot_slots), arrays=list(arrays))
+
+    def launch(self, kind: str, step: int, slots: int, *args: mx.array) -> _Pending:
+        """Compiled step `kind` of cycle `step` (see `compile_steps` for its inputs).
 
         `slots`: cache slots (prompt included) that live streams may need.
         """
-        self.compiled.reserve(slots)
-        args = (tokens, mx.array(step, dtype=mx.uint32)) + (() if info is None else (info,))
-        if self.head_cache is None:
-            return _Pending(self.compiled(*args))
-        out = self.compiled(*args)
-        return _Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None)
+        c = self.compiled[kind]
+        c.reserve(slots)
+        out = c(mx.array(step, dtype=mx.uint32), *args)
+        if kind == "plain":
+            return _Pending(out)
+        if kind == "rollback":
+            return _Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None)
+        return _Pending(out[0], out[1], self._snapshot(out[2:]))
+
+    def launch_first(self, tokens: mx.array, info: Any, slots: int) -> _Pending:
+        """The compiled first verification (cycle 1) from the prefill's (x0, draft)."""
+        extra = () if info is None else (info,)
+        return self.launch("rollback" if self.rollback else "first", 1, slots, tokens, *extra)
+
+    def save_compiled(self) -> list[mx.array]:
+        """The state the compiled steps share (to undo a step built and never run)."""
+        return next(iter(self.compiled.values())).state()
+
+    def load_compiled(self, state: list[mx.array]) -> None:
+        next(iter(self.compiled.values())).load(state)
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
@@ -525,9 +572,13 @@ def _split_bundle(b: np.ndarray, mtp: bool) -> tuple[np.ndarray, np.ndarray | No
 def _next_step(dec: _Decoder, p: _Pending, mtp: bool, repair: bool, step: int, slots: int = 0) -> _Pending:
     """Builds cycle `step` after `p`: (repair and) head step, then verification."""
     if dec.compiled is not None:
-        if mtp:
-            return dec.launch(p.next_tokens, p.next_info, step, slots)
-        return dec.launch(p.bundle, None, step, slots)
+        if not mtp:
+            return dec.launch("plain", step, slots, p.bundle)
+        if dec.rollback:
+            return dec.launch("rollback", step, slots, p.next_tokens, *(() if p.next_info is None else (p.next_info,)))
+        if repair:
+            return dec.launch("repair", step, slots, p.bundle, p.hidden, *(p.snapshot.arrays if p.snapshot else ()))
+        return dec.launch("accept", step, slots, p.bundle, p.hidden)
     if not mtp:
         return dec.plain_step(p.bundle, step)
     if dec.rollback:
@@ -581,19 +632,30 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             # bundle confirms the guess; else drop it unevaluated (no extra
             # forward) and build the other path.
             guess = repair_rate > 0.5
-            ckpt = cache_state.checkpoint_caches(*dec.caches(), [dec.policy])
-            spec = _next_step(dec, p, mtp, guess, res.cycles + 1)
+            slots = st.slots_needed()
+            if dec.compiled is not None:
+                # Grow first: a restored state must fit the caches' shapes.
+                next(iter(dec.compiled.values())).reserve(slots)
+                saved = dec.save_compiled()
+                ckpt = None
+            else:
+                ckpt = cache_state.checkpoint_caches(*dec.caches(), [dec.policy])
+            spec = _next_step(dec, p, mtp, guess, res.cycles + 1, slots)
             b = _read_bundle(p, st)
             commits, repair = st.decide(*_split_bundle(b, mtp))
+            if repair != guess or not st.any_live():
+                if ckpt is None:
+                    dec.load_compiled(saved)
+                else:
+                    cache_state.rollback_caches(ckpt)
             if not st.any_live():
-                cache_state.rollback_caches(ckpt)
                 st.apply(commits)
                 return
             if repair != guess:
-                cache_state.rollback_caches(ckpt)
-                spec = _next_step(dec, p, mtp, repair, res.cycles + 1)
+                spec = _next_step(dec, p, mtp, repair, res.cycles + 1, slots)
             # No stale handles on the caches' arrays: MLX may update them in place.
             del ckpt
+            saved = None
             mx.async_eval(spec.bundle)
             repair_rate += _REPAIR_EMA * (float(repair) - repair_rate)
         res.forwards += 1 + int(repair)
@@ -649,9 +711,9 @@ def generate_batched(
         on_commit: called as on_commit(stream index, new token ids) when a
             stream commits tokens.
         enforce_eager: True builds every step's graph in Python; False
-            compiles the steps where it can (attention-only trunks: plain
-            decoding, MTP with per-stream rollback). Same tokens either way,
-            up to float rounding of fused element-wise kernels.
+            traces each kind of step once with `mx.compile` and replays it.
+            Same tokens either way, up to float rounding of fused
+            element-wise kernels.
 
     Returns:
         A `BatchedDecodeResult`.
@@ -682,12 +744,7 @@ def generate_batched(
     with wired_limit(runtime), _fused_attention(runtime):
         attention_only = not _has_recurrent_layers(runtime)
         rollback = mtp and reject_mode == "repair" and attention_only
-        compiled = (
-            not bool(enforce_eager)
-            and hasattr(policy, "state_attrs")
-            and attention_only
-            and (rollback or not mtp)
-        )
+        compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, serial, on_commit, rollback, compiled
         )
@@ -726,7 +783,7 @@ def _generate(
     padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
     # (The ragged keyword only when used: runtimes without it still repair.)
     kw = {"ragged": True} if rollback else {}
-    if compiled:
+    if compiled:  # (attention layers only: recurrent ones keep their ArraysCache)
         kw = {"ragged": True, "capacity": width + min(max_new_tokens + 2, COMPILED_GROW_STEP)}
     cache = runtime.make_cache(pads, **kw)
     head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
@@ -746,7 +803,7 @@ def _generate(
     if not mtp:
         first = _Pending(tokens)
     else:
-        first = dec.launch(tokens, info, 1, st.slots_needed()) if compiled else dec.verify_step(tokens, info, 1)
+        first = dec.launch_first(tokens, info, st.slots_needed()) if compiled else dec.verify_step(tokens, info, 1)
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
