@@ -9,18 +9,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 import mtplx_ext
 from mtplx_ext import cache_state
-
-
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 30))
-
-
-def _ragged(rng: np.random.Generator, vocab: int, B: int) -> tuple[mx.array, list[int]]:
-    lengths = rng.integers(1, 9, size=B)
-    width = int(lengths.max())
-    pads = [width - int(n) for n in lengths]
-    toks = rng.integers(0, vocab, size=(B, width))
-    return mx.array(toks.astype(np.int32)), pads
+from _ragged import fresh_seed, ragged_batch
 
 
 def _host_leaves(cache: list) -> list[np.ndarray]:
@@ -37,13 +26,13 @@ def _prefilled(rt, toks: mx.array, pads: list[int]) -> list:
 
 @pytest.fixture(scope="module")
 def hybrid():
-    return mtplx_ext.init_random("qwen3_next", seed=_seed())
+    return mtplx_ext.init_random("qwen3_next", seed=fresh_seed())
 
 
 def test_snapshot_restore_roll_back_a_forward_bit_exactly(hybrid):
     rng = np.random.default_rng()
     V = hybrid.vocab_size
-    toks, pads = _ragged(rng, V, 3)
+    toks, pads = ragged_batch(rng, V, 3)
     cache = _prefilled(hybrid, toks, pads)
     before = _host_leaves(cache)
     snap = cache_state.snapshot_recurrent(cache)
@@ -62,7 +51,7 @@ def test_snapshot_restore_roll_back_a_forward_bit_exactly(hybrid):
 def test_repair_after_restore_and_trim_equals_a_run_that_never_drafted(hybrid):
     rng = np.random.default_rng()
     V = hybrid.vocab_size
-    toks, pads = _ragged(rng, V, 4)
+    toks, pads = ragged_batch(rng, V, 4)
     pair = mx.array(rng.integers(0, V, (4, 2)).astype(np.int32))
     draft_pair = mx.array(rng.integers(0, V, (4, 2)).astype(np.int32))
 
@@ -103,7 +92,7 @@ def test_snapshot_and_restore_each_use_one_primitive_call_for_all_layers(hybrid,
     monkeypatch.setattr(cache_state, "snapshot_state", snap)
     monkeypatch.setattr(cache_state, "restore_state", restore)
     rng = np.random.default_rng()
-    toks, pads = _ragged(rng, hybrid.vocab_size, 2)
+    toks, pads = ragged_batch(rng, hybrid.vocab_size, 2)
     cache = _prefilled(hybrid, toks, pads)
     n_recurrent = sum(isinstance(c, ArraysCache) for c in cache)
     assert n_recurrent >= 2
@@ -129,7 +118,7 @@ def test_trim_kv_drops_tokens_and_rejects_trimming_more_than_held():
 def test_rollback_drops_an_unevaluated_forward_without_a_trace(hybrid):
     rng = np.random.default_rng()
     V = hybrid.vocab_size
-    toks, pads = _ragged(rng, V, 3)
+    toks, pads = ragged_batch(rng, V, 3)
     a = mx.array(rng.integers(0, V, (3, 2)).astype(np.int32))
     b = mx.array(rng.integers(0, V, (3, 2)).astype(np.int32))
     head_cache = hybrid.make_head_cache(pads)
@@ -154,7 +143,7 @@ def test_rollback_drops_an_unevaluated_forward_without_a_trace(hybrid):
 
 def test_finish_prefill_drops_recurrent_padding_but_keeps_kv_padding(hybrid):
     rng = np.random.default_rng()
-    toks, pads = _ragged(rng, hybrid.vocab_size, 3)
+    toks, pads = ragged_batch(rng, hybrid.vocab_size, 3)
     cache = hybrid.make_cache(pads)
     hybrid.forward(toks, cache)
     cache_state.finish_prefill(cache)
@@ -175,7 +164,7 @@ def test_cache_list_type_errors_name_the_argument():
 def test_runtime_snapshot_restore_trim_undo_a_forward_bit_exactly(hybrid):
     rng = np.random.default_rng()
     V = hybrid.vocab_size
-    toks, pads = _ragged(rng, V, 2)
+    toks, pads = ragged_batch(rng, V, 2)
     cache = _prefilled(hybrid, toks, pads)
     before = _host_leaves(cache)
     sizes = [c.size() for c in cache if isinstance(c, BatchKVCache)]
@@ -193,9 +182,9 @@ def test_ragged_cache_after_random_per_stream_rollbacks_equals_a_fresh_forward_o
     # logits of a final forward must equal a forward of each stream's kept
     # tokens alone, from scratch.
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     V, B = rt.vocab_size, 4
-    toks, pads = _ragged(rng, V, B)
+    toks, pads = ragged_batch(rng, V, B)
     kept = [toks[i, p:].tolist() for i, p in enumerate(pads)]
     cache = rt.make_cache(pads, ragged=True)
     rt.forward(toks, cache)
@@ -224,8 +213,8 @@ def test_ragged_layers_share_positions_so_trimming_every_layer_trims_once():
     from mlx_lm.models.cache import trim_prompt_cache
 
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
-    toks, pads = _ragged(rng, rt.vocab_size, 3)
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
+    toks, pads = ragged_batch(rng, rt.vocab_size, 3)
     cache = rt.make_cache(pads, ragged=True)
     rt.forward(toks, cache)
     width = toks.shape[1]
@@ -236,8 +225,8 @@ def test_ragged_layers_share_positions_so_trimming_every_layer_trims_once():
 
 def test_a_ragged_layer_out_of_step_with_the_others_raises():
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
-    toks, pads = _ragged(rng, rt.vocab_size, 2)
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
+    toks, pads = ragged_batch(rng, rt.vocab_size, 2)
     cache = rt.make_cache(pads, ragged=True)
     rt.forward(toks, cache)
     cache[0].rollback(mx.array([1, 0]))  # only the first layer

@@ -10,17 +10,7 @@ from mlx_lm.models.cache import BatchKVCache
 import mtplx_ext
 from mtplx_ext import cache_state, generate_batched, generate_greedy_batched
 from mtplx_ext.compiled_step import CompiledStep
-
-
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 30))
-
-
-def _ragged(rng: np.random.Generator, vocab: int, B: int) -> tuple[mx.array, list[int]]:
-    lengths = rng.integers(1, 9, size=B)
-    width = int(lengths.max())
-    pads = [width - int(n) for n in lengths]
-    return mx.array(rng.integers(0, vocab, size=(B, width)).astype(np.int32)), pads
+from _ragged import fresh_seed, ragged_batch
 
 
 def test_compiled_pair_steps_with_rollbacks_equal_the_same_steps_run_eagerly():
@@ -28,9 +18,9 @@ def test_compiled_pair_steps_with_rollbacks_equal_the_same_steps_run_eagerly():
     # rollback by counts that come from the device. Replayed by mx.compile
     # over fixed-capacity caches it must track eager growable caches.
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     V, B, steps = rt.vocab_size, 3, int(rng.integers(4, 9))
-    toks, pads = _ragged(rng, V, B)
+    toks, pads = ragged_batch(rng, V, B)
     eager = rt.make_cache(pads, ragged=True)
     fixed = rt.make_cache(pads, ragged=True, capacity=toks.shape[1] + 2 * steps + int(rng.integers(0, 5)))
     for c in (eager, fixed):
@@ -57,7 +47,7 @@ def test_compiled_pair_steps_with_rollbacks_equal_the_same_steps_run_eagerly():
 
 
 def test_compiled_step_refuses_caches_without_a_fixed_capacity():
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     growable = rt.make_cache([0, 1], ragged=True)
     with pytest.raises(ValueError, match=r"cache_lists\[0\]\[0\].*neither a fixed-capacity"):
         CompiledStep(lambda t: t, [growable])
@@ -69,7 +59,7 @@ def test_compiled_step_refuses_caches_without_a_fixed_capacity():
 
 
 def test_a_fixed_capacity_cache_refuses_a_forward_past_its_capacity():
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     cache = rt.make_cache([0, 0], ragged=True, capacity=5)
     rt.forward(mx.zeros((2, 4), mx.int32), cache)
     with pytest.raises(ValueError, match=r"capacity exceeded: 4 \+ 2 slots > capacity 5"):
@@ -107,7 +97,7 @@ MODES = [
 @pytest.mark.parametrize("serial", [False, True])
 def test_greedy_decoding_builds_its_steps_in_python_once_and_replays_them(model_type, kw, serial):
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random(model_type, seed=_seed())
+    rt = mtplx_ext.init_random(model_type, seed=fresh_seed())
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     runs = {}
     for eager in (False, True):
@@ -136,7 +126,7 @@ def test_compiled_sampled_decoding_draws_the_eager_tokens(mtp, penalties):
     from mtplx_ext import SamplerConfig
 
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed(), vocab_size=32)
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=32)
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     extra = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2) if penalties else {}
     cfg = SamplerConfig(temperature=1.0, top_k=20, **extra)
@@ -163,7 +153,7 @@ def test_a_new_capacity_builds_no_new_fused_kernel():
     from pathlib import Path
 
     cache_dir = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     generate_greedy_batched(rt, [[1, 2, 3]], max_new_tokens=9)
     if not cache_dir.is_dir():
         pytest.skip("MLX keeps no fused-kernel cache here")
@@ -184,7 +174,7 @@ def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatc
 
     monkeypatch.setattr(decode, "COMPILED_GROW_STEP", int(np.random.default_rng().integers(3, 7)))
     rng = np.random.default_rng()
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     runs = {}
     for eager in (False, True):
@@ -198,7 +188,7 @@ def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatc
 
 
 def test_reserve_grows_every_layer_by_whole_steps_and_keeps_their_contents():
-    rt = mtplx_ext.init_random("qwen3", seed=_seed())
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     cache = rt.make_cache([1, 0], ragged=True, capacity=6)
     rt.forward(mx.array([[0, 5, 6], [7, 8, 9]], dtype=mx.int32), cache)
     before = [np.array(c.keys) for c in cache]
