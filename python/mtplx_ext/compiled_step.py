@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-
 from mlx_lm.models.cache import ArraysCache
 
 from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
@@ -45,6 +44,10 @@ class CompiledStep:
             reads or replaces, e.g. a token policy's penalty counts; each
             must hold an array.
         grow_step: slots added (at least) when the caches must grow.
+
+    Attributes:
+        traces: how many times Python built the step (1 + one per growth
+            in a decode; more means the step is not being replayed).
 
     Raises:
         ValueError: naming a layer that is not such a cache, or a holder
@@ -105,7 +108,7 @@ class CompiledStep:
         # their value into a fused kernel (which it would recompile per value).
         return (
             [p.ends for p in self._positions]
-            + [p._last_slot for p in self._positions]
+            + [p.last_slot for p in self._positions]
             + [a for c in self._layers for a in (c.keys, c.values)]
             + [a for c in self._recurrent for a in c.cache]
             + [getattr(obj, name) for obj, name in self._holders]
@@ -114,8 +117,7 @@ class CompiledStep:
     def _load(self, state: Sequence[mx.array]) -> None:
         n = len(self._positions)
         for i, p in enumerate(self._positions):
-            p.ends, p._last_slot = state[i], state[n + i]
-            p._offset = None  # derived from the old ends
+            p.load(state[i], state[n + i])
         for i, c in enumerate(self._layers):
             c.keys, c.values = state[2 * n + 2 * i], state[2 * n + 2 * i + 1]
         base = 2 * n + 2 * len(self._layers)

@@ -48,7 +48,7 @@ class RaggedPositions:
         self.capacity = capacity
         # An array, not a Python scalar, so that a compiled step can take it
         # as an input instead of baking the capacity into its fused kernels.
-        self._last_slot = None if capacity is None else mx.full((len(left_padding), 1), capacity - 1, mx.int32)
+        self.last_slot = None if capacity is None else mx.full((len(left_padding), 1), capacity - 1, mx.int32)
         self.idx = 0  # host upper bound of the ends
         # True once streams may end at different slots; with a fixed capacity
         # writes always go through the device-side ends (replayable).
@@ -65,7 +65,12 @@ class RaggedPositions:
         if self.capacity is None or capacity < self.capacity:
             raise ValueError(f"capacity can only grow from a fixed capacity: {self.capacity} -> {capacity}")
         self.capacity = capacity
-        self._last_slot = mx.full(self._last_slot.shape, capacity - 1, mx.int32)
+        self.last_slot = mx.full(self.last_slot.shape, capacity - 1, mx.int32)
+
+    def load(self, ends: mx.array, last_slot: mx.array | None) -> None:
+        """Takes device state from outside (a compiled step's inputs or outputs)."""
+        self.ends, self.last_slot = ends, last_slot
+        self._offset = None  # derived from the old ends
 
     def offset(self) -> mx.array:
         """[B] RoPE position of each stream's next token (built once per tick)."""
@@ -87,7 +92,7 @@ class RaggedPositions:
                     # Replayed steps never re-check the host bound: a stream
                     # past the capacity (finished, still computed) writes its
                     # last slot again instead of outside its buffer.
-                    write = mx.minimum(write, self._last_slot)
+                    write = mx.minimum(write, self.last_slot)
                 write = write[:, None, :, None]
             self.last_forward = (self.idx, write, self.offset())
             self.ends = self.ends + arg
