@@ -159,3 +159,23 @@ def test_sampled_generate_is_reproducible_for_a_seed(capsys):
         assert cli.main(argv) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1]
+
+
+def test_generate_says_when_mlx_must_first_build_its_kernels(tmp_path, capsys, monkeypatch):
+    import tempfile
+
+    import mlx.core as mx
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("MLX builds kernels with the C++ compiler only on its CPU backend")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.mlx_kernel_cache_is_cold()
+    assert cli.main(["generate", "--max-tokens", "2", "--enforce-eager", "x"]) == 0
+    assert "first compiled decode" not in capsys.readouterr().err  # nothing to build when eager
+    kernels = tmp_path / "mlx" / mx.__version__ / "cpu"
+    kernels.mkdir(parents=True)
+    (kernels / "libkernel.so").write_bytes(b"")
+    assert not cli.mlx_kernel_cache_is_cold()
+    monkeypatch.setattr(cli, "mlx_kernel_cache_is_cold", lambda: True)
+    assert cli.main(["generate", "--max-tokens", "2", "x"]) == 0
+    assert "first compiled decode on this machine" in capsys.readouterr().err

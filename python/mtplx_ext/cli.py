@@ -13,6 +13,7 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -166,7 +167,25 @@ def _decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_comm
     )
 
 
+def mlx_kernel_cache_is_cold() -> bool:
+    """Whether MLX has no compiled CPU kernels cached here yet (first compiled decode on this machine).
+
+    MLX's CPU backend compiles the fused kernels of `mx.compile`d graphs with
+    the system C++ compiler and keeps them under the temp directory.
+    """
+    import mlx.core as mx
+
+    folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    return mx.default_device() == mx.cpu and not any(folder.glob("*.so"))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.enforce_eager and mlx_kernel_cache_is_cold():
+        print(
+            "first compiled decode on this machine: MLX builds its fused CPU kernels with the C++ compiler "
+            "(seconds, cached for later runs; --enforce-eager skips compiling)",
+            file=sys.stderr,
+        )
     rt = load_model(args.model, need_mtp=not args.no_mtp)
     tok = _tokenizer(rt, args.model)
     texts = args.prompt or [DEFAULT_PROMPT]
