@@ -82,6 +82,8 @@ def test_bench_reports_every_method_at_every_batch(tmp_path, capsys):
     plain = [r for r in report["rows"] if r["method"] == "plain"]
     assert all(r["ratio_to_plain"] == pytest.approx(1.0) for r in plain)
     assert report["versions"]["blas"] and "BLAS:" in table
+    engine = [r for r in report["rows"] if r["method"] != "mlx-lm"]
+    assert all(r["compiled"] for r in engine) and "engine decode steps: compiled" in table
 
 
 def test_bench_plot_is_written_or_skipped_with_a_message(tmp_path, capsys):

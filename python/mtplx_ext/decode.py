@@ -353,9 +353,8 @@ class _Decoder:
 
         `slots`: cache slots (prompt included) that live streams may need.
         """
-        c = self.compiled[kind]
-        c.reserve(slots)
-        out = c(mx.array(step, dtype=mx.uint32), *args)
+        self.reserve(slots)
+        out = self.compiled[kind](mx.array(step, dtype=mx.uint32), *args)
         if kind == "plain":
             return _Pending(out)
         if kind == "rollback":
@@ -366,6 +365,10 @@ class _Decoder:
         """The compiled first verification (cycle 1) from the prefill's (x0, draft)."""
         extra = () if info is None else (info,)
         return self.launch("rollback" if self.rollback else "first", 1, slots, tokens, *extra)
+
+    def reserve(self, slots: int) -> None:
+        """Grows the caches the compiled steps share to `slots` slots, if needed."""
+        next(iter(self.compiled.values())).reserve(slots)
 
     def save_compiled(self) -> list[mx.array]:
         """The state the compiled steps share (to undo a step built and never run)."""
@@ -460,6 +463,7 @@ class _Streams:
         stop_ids: frozenset[int],
         on_commit: OnCommit | None,
         second_on_reject: bool = True,
+        width: int = 0,
     ):
         self.vocab_size = vocab_size
         # False with per-stream rollback: a rejecting stream commits only x0
@@ -471,7 +475,7 @@ class _Streams:
         self.on_commit = on_commit
         self.done = np.zeros(n, dtype=bool)
         self.count = np.zeros(n, dtype=np.int64)
-        self.width = 0  # prompt slots of the caches (set by the decode)
+        self.width = width  # prompt slots of the caches
 
     def decide(self, tokens: np.ndarray, accept: np.ndarray | None) -> tuple[list, bool]:
         """Which tokens each stream commits this cycle, and whether to repair.
@@ -635,7 +639,7 @@ def _run_cycles(dec: _Decoder, st: _Streams, first: _Pending, mtp: bool, serial:
             slots = st.slots_needed()
             if dec.compiled is not None:
                 # Grow first: a restored state must fit the caches' shapes.
-                next(iter(dec.compiled.values())).reserve(slots)
+                dec.reserve(slots)
                 saved = dec.save_compiled()
                 ckpt = None
             else:
@@ -795,8 +799,7 @@ def _generate(
     mx.eval(tokens, [c.state for c in dec.caches()[0]])
     t1 = time.perf_counter()
 
-    st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, not rollback)
-    st.width = width
+    st = _Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, not rollback, width)
     if compiled:
         dec.compile_steps()
         st.result.compiled = True
