@@ -16,6 +16,7 @@ from mtplx_ext.verify import verify_greedy  # noqa: E402
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
 from mtplx_ext.sampled import sample_tokens, verify_sampled  # noqa: E402
 from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
+from mtplx_ext.compiled_step import CompiledStep  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import init_random, load  # noqa: E402
 from mtplx_ext.fused import (  # noqa: E402
@@ -53,6 +54,7 @@ __all__ = [
     "generate_batched",
     "generate_greedy_batched",
     "BLAS",
+    "CompiledStep",
     "MTPRuntime",
     "RaggedKVCache",
     "init_random",
