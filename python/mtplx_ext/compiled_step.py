@@ -27,7 +27,8 @@ class CompiledStep:
     the caches and holders keep that state between calls.
 
     The caches' host-side bookkeeping (`size()`, the layer ticks) only moves
-    while Python runs, i.e. at a trace. The caller knows how many slots the
+    while Python runs, i.e. at a trace, so the caches stop trusting `size()`
+    as a bound once a step owns them. The caller knows how many slots the
     next call may write and says so with `reserve`: the caches then grow (by
     `grow_step` slots or more), and the new shapes make `mx.compile` trace
     the step once more. So a decode with a large token budget holds only
@@ -84,6 +85,7 @@ class CompiledStep:
                 self._layers.append(c)
                 if all(p is not c.positions for p in self._positions):
                     self._positions.append(c.positions)
+                    c.positions.host_bound = False  # replays move the ends without Python
         for obj, name in holders:
             if not isinstance(getattr(obj, name, None), mx.array):
                 raise ValueError(f"holder {type(obj).__name__}.{name} is not an mx.array")

@@ -50,6 +50,10 @@ class RaggedPositions:
         # as an input instead of baking the capacity into its fused kernels.
         self.last_slot = None if capacity is None else mx.full((len(left_padding), 1), capacity - 1, mx.int32)
         self.idx = 0  # host upper bound of the ends
+        # False once a compiled step owns these positions: replays move the
+        # ends without Python, so `idx` no longer bounds them (the caller
+        # reserves capacity, and writes past it are clamped on the device).
+        self.host_bound = True
         # True once streams may end at different slots; with a fixed capacity
         # writes always go through the device-side ends (replayable).
         self.ragged = capacity is not None
@@ -81,7 +85,7 @@ class RaggedPositions:
     def apply(self, kind: str, arg: Any) -> None:
         """Makes a change: ("forward", T), ("rollback", counts) or ("trim", n)."""
         if kind == "forward":
-            if self.capacity is not None and self.idx + arg > self.capacity:
+            if self.capacity is not None and self.host_bound and self.idx + arg > self.capacity:
                 raise ValueError(
                     f"RaggedKVCache capacity exceeded: {self.idx} + {arg} slots > capacity {self.capacity}"
                 )
@@ -169,12 +173,13 @@ class RaggedKVCache(_BaseCache):
         self._tick = p.tick
 
     def _reserve(self, end: int, like_k: mx.array, like_v: mx.array) -> None:
-        if self.keys is not None and end <= self.keys.shape[2]:
+        cap = self.positions.capacity
+        # A fixed capacity is allocated once (and grown only by `grow`).
+        if self.keys is not None and (cap is not None or end <= self.keys.shape[2]):
             return
         B, H, _, Dk = like_k.shape
         Dv = like_v.shape[3]
         have = 0 if self.keys is None else self.keys.shape[2]
-        cap = self.positions.capacity
         grow = cap if cap is not None else ((end - have + self.step - 1) // self.step) * self.step
         new_k = mx.zeros((B, H, grow, Dk), like_k.dtype)
         new_v = mx.zeros((B, H, grow, Dv), like_v.dtype)
@@ -235,7 +240,7 @@ class RaggedKVCache(_BaseCache):
     def trim(self, n: int) -> int:
         """Drops the last `n` tokens of every stream (shared as `rollback` is)."""
         p = self.positions
-        if self._tick == p.tick:
+        if self._tick == p.tick and p.host_bound:
             n = min(p.idx, n)
         elif p.last_change is not None and p.last_change[0] == "trim":
             n = p.last_change[1]  # the first layer's (clamped) count
