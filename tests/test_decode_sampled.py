@@ -157,3 +157,18 @@ def test_greedy_with_penalties_commits_the_plain_decoding_tokens_under_mtp(rng, 
     assert 0 < mtp.accepted < mtp.drafted  # both paths of the cycle were taken
     for i, (a, b) in enumerate(zip(plain.streams, mtp.streams)):
         assert a.tokens == b.tokens, f"stream {i}"
+
+
+def test_streams_with_nearby_row_seeds_never_share_a_uniform():
+    # Each (stream, cycle, call) must get its own uniform. Keys derived by
+    # xor-ing the cycle and call into a seed's low word would hand stream
+    # 0's draw at cycle 1 to stream 4 at cycle 0 when seeds are 0, 1, 2, ...
+    from mtplx_ext.sampled import SampledPolicy
+
+    B, steps, calls = 64, 8, 4
+    policy = SampledPolicy(SamplerConfig(temperature=1.0), row_seeds=list(range(B)))
+    policy.pick(mx.zeros((B, 8)), 0)  # sets the policy up for B rows
+    u = np.concatenate([np.array(policy._uniforms(s, range(calls))).reshape(-1) for s in range(steps)])
+    assert u.size == B * steps * calls
+    # Independent float32 uniforms collide by chance with probability ~1e-2 here.
+    assert u.size - np.unique(u).size <= 1

@@ -263,7 +263,12 @@ class SampledPolicy:
             seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
         elif len(seeds) != B:
             raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
-        self._keys = mx.array(np.stack([np.array(mx.random.key(s)) for s in seeds]).astype(np.uint32))
+        words = np.array(seeds, dtype=np.uint64)
+        raw = mx.array(np.stack([(words >> 32).astype(np.uint32), (words & 0xFFFFFFFF).astype(np.uint32)], axis=1))
+        # Row keys through threefry: mx.random.key(s) is just the seed's two
+        # words, so for nearby seeds the (step, call) counter xor-ed into the
+        # low word would hand one row's uniforms to another row.
+        self._keys = mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
         self._params = sampler_params(self.configs, B)
         cs = self._configs if self._configs is not None else [self._shared]
         self._penalties = any(c.has_penalties for c in cs)
