@@ -151,10 +151,9 @@ def test_a_new_capacity_builds_no_new_fused_kernel():
     # MLX bakes scalar constants into the fused kernels of a compiled graph
     # and compiles (C++ on the CPU backend) every new variant: a capacity in
     # the step's graph would cost a compiler run for each prompt length.
-    import tempfile
-    from pathlib import Path
+    from mtplx_ext.compiled_step import mlx_kernel_cache_dir
 
-    cache_dir = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+    cache_dir = mlx_kernel_cache_dir()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     generate_greedy_batched(rt, [[1, 2, 3]], max_new_tokens=9)
     if not cache_dir.is_dir():

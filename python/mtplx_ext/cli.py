@@ -13,7 +13,6 @@ import json
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,8 +174,9 @@ def mlx_kernel_cache_is_cold() -> bool:
     """
     import mlx.core as mx
 
-    folder = Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
-    return mx.default_device() == mx.cpu and not any(folder.glob("*.so"))
+    from mtplx_ext.compiled_step import mlx_kernel_cache_dir
+
+    return mx.default_device() == mx.cpu and not any(mlx_kernel_cache_dir().glob("*.so"))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

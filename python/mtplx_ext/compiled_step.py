@@ -9,7 +9,9 @@ by exactly that per-node work.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -158,4 +160,9 @@ class CompiledStep:
         return tuple(res[:n]) if self._tuple_out else res[0]
 
 
-__all__ = ["CompiledStep"]
+def mlx_kernel_cache_dir() -> Path:
+    """Where MLX's CPU backend keeps the fused kernels it builds with the C++ compiler."""
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
+
+
+__all__ = ["CompiledStep", "mlx_kernel_cache_dir"]

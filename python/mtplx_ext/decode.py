@@ -312,13 +312,13 @@ class _Decoder:
             units = {"rollback": self._rollback_unit}
         else:
             units = {"first": self._first_unit, "accept": self._accept_unit, "repair": self._repair_unit}
-        # The snapshot's layout (snapshot_recurrent's order: after the
-        # prefill every recurrent leaf holds state).
-        self._snapshot_slots = [
-            (c, k) for c in self.cache if cache_state.is_recurrent_cache(c) for k in range(len(c.cache))
-        ]
+        # The snapshot's layout, from snapshot_recurrent itself (its arrays
+        # stay lazy and are dropped unevaluated).
+        self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if self.recurrent else []
         lists = self.caches()
         self.compiled = {k: CompiledStep(u, lists, holders, grow_step=COMPILED_GROW_STEP) for k, u in units.items()}
+        # All kinds share one state: any of them can reserve, save or load it.
+        self._shared = next(iter(self.compiled.values()))
 
     def _rollback_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
         # Cycle `step`'s verification, then the head's draft for cycle step + 1.
@@ -368,14 +368,14 @@ class _Decoder:
 
     def reserve(self, slots: int) -> None:
         """Grows the caches the compiled steps share to `slots` slots, if needed."""
-        next(iter(self.compiled.values())).reserve(slots)
+        self._shared.reserve(slots)
 
     def save_compiled(self) -> list[mx.array]:
         """The state the compiled steps share (to undo a step built and never run)."""
-        return next(iter(self.compiled.values())).state()
+        return self._shared.state()
 
     def load_compiled(self, state: list[mx.array]) -> None:
-        next(iter(self.compiled.values())).load(state)
+        self._shared.load(state)
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
