@@ -147,24 +147,59 @@ def test_compiled_sampled_decoding_draws_the_eager_tokens(mtp, penalties):
     assert compiled.accepted == eager.accepted
 
 
-def test_a_new_capacity_builds_no_new_fused_kernel():
-    # MLX bakes scalar constants into the fused kernels of a compiled graph
-    # and compiles (C++ on the CPU backend) every new variant: a capacity in
-    # the step's graph would cost a compiler run for each prompt length.
+def _kernels_built_by_new_capacities(rt) -> set:
+    """Fused kernels that decodes at new capacities add to MLX's kernel cache.
+
+    Every path measured (MTP and plain decoding) is first run at one
+    capacity, so whatever the cache held before (a fresh machine's is
+    empty) only the kernels a new capacity needs are counted.
+    """
     from mtplx_ext.compiled_step import mlx_kernel_cache_dir
 
     cache_dir = mlx_kernel_cache_dir()
-    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
-    generate_greedy_batched(rt, [[1, 2, 3]], max_new_tokens=9)
+
+    def decode(prompt: list[int]) -> None:
+        generate_greedy_batched(rt, [prompt], max_new_tokens=5)
+        generate_greedy_batched(rt, [prompt], max_new_tokens=5, use_mtp_draft=False)
+
+    decode([1, 2, 3])
     if not cache_dir.is_dir():
         pytest.skip("MLX keeps no fused-kernel cache here")
     before = set(cache_dir.iterdir())
     # Capacities unlikely to have been seen before (a warm cache would hide a baked value).
     for width in np.random.default_rng().integers(100, 1000, size=2):
-        prompt = [int(t) % rt.vocab_size for t in range(width)]
-        generate_greedy_batched(rt, [prompt], max_new_tokens=5)
-        generate_greedy_batched(rt, [prompt], max_new_tokens=5, use_mtp_draft=False)
-    assert set(cache_dir.iterdir()) == before
+        decode([int(t) % rt.vocab_size for t in range(width)])
+    return set(cache_dir.iterdir()) - before
+
+
+def test_a_new_capacity_builds_no_new_fused_kernel():
+    # MLX bakes scalar constants into the fused kernels of a compiled graph
+    # and compiles (C++ on the CPU backend) every new variant: a capacity in
+    # the step's graph would cost a compiler run for each prompt length.
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
+    assert _kernels_built_by_new_capacities(rt) == set()
+
+
+def test_the_kernel_count_sees_a_capacity_baked_into_the_step(monkeypatch):
+    # The check above must be able to fail: clamp writes with a Python
+    # scalar (the capacity baked into the graph) instead of the last-slot
+    # input, and new capacities must build new kernels.
+    from mtplx_ext.ragged_cache import RaggedPositions
+
+    real_apply = RaggedPositions.apply
+
+    def apply_with_a_baked_clamp(self, kind, arg):
+        held = self.last_slot
+        if held is not None:
+            self.last_slot = self.capacity - 1  # a Python scalar: a constant of the trace
+        try:
+            real_apply(self, kind, arg)
+        finally:
+            self.last_slot = held
+
+    monkeypatch.setattr(RaggedPositions, "apply", apply_with_a_baked_clamp)
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
+    assert _kernels_built_by_new_capacities(rt), "a baked capacity built no new kernel: the check is blind"
 
 
 @pytest.mark.parametrize("mtp", [False, True])
