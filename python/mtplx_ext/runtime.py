@@ -190,16 +190,25 @@ class MTPRuntime(nn.Module):
         hidden: mx.array,
         next_tokens: mx.array,
         head_cache: list | None = None,
-    ) -> mx.array:
+        *,
+        return_hidden: bool = False,
+    ) -> mx.array | tuple[mx.array, mx.array]:
         """The MTP head's logits for the token after next.
 
         Args:
-            hidden: [B, T, H] head_hidden from `forward` at positions t.
+            hidden: [B, T, H] head_hidden from `forward` at positions t, or
+                the hidden this method returned (chained drafting).
             next_tokens: [B, T] the tokens at positions t + 1.
             head_cache: caches from `make_head_cache`, or None.
+            return_hidden: also return the head's own hidden states, of the
+                kind the head consumes (before or after the final norm, as
+                the trunk's `head_hidden`): fed back with the head's draft,
+                they draft the token after that (depth > 1, as vLLM's MTP
+                proposer applies one MTP layer recursively).
 
         Returns:
-            [B, T, V] logits for the tokens at t + 2.
+            [B, T, V] logits for the tokens at t + 2; with return_hidden,
+            (logits, [B, T, H] hidden).
         """
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
@@ -212,8 +221,11 @@ class MTPRuntime(nn.Module):
                 "must agree on [B, T]"
             )
         embeds = trunk_lib.safe_embed(self.trunk, next_tokens, self.vocab_size)
-        x = self.head(hidden, embeds, head_cache)
-        return self.head.logits(x, self.trunk)
+        pre, post = self.head.states(hidden, embeds, head_cache)
+        logits = self.head.logits(post, self.trunk)
+        if not return_hidden:
+            return logits
+        return logits, (pre if self.hidden_source == "pre_norm" else post)
 
     # -- rollback (the decode loop's repair; see cache_state) --------------
 

@@ -136,6 +136,12 @@ class TrainConfig:
     heldout_per_mille: int = 50
     eval_tokens: int = 32768
     seed: int = 0
+    #: Chained head steps trained (loss at t + 2 .. t + depth + 1).
+    depth: int = 1
+    #: A trained model folder to start from (its tokenizer and weights).
+    init: str = ""
+    #: 1: train the head only (the trunk, embedding and lm_head stay as loaded).
+    freeze_trunk: int = 0
 
 
 def build_runtime(cfg: TrainConfig, tokenizer):
@@ -163,69 +169,100 @@ def build_runtime(cfg: TrainConfig, tokenizer):
 
 
 def joint_loss(
-    rt, seq: mx.array, head_weight: float, distill: float = 0.0
+    rt,
+    seq: mx.array,
+    head_weight: float,
+    distill: float = 0.0,
+    depth: int = 1,
+    train_trunk: bool = True,
 ) -> tuple[mx.array, tuple[mx.array, mx.array]]:
-    """Trunk next-token CE + head token-after-next CE on [B, T+1] windows.
+    """Trunk next-token CE + the head's CE at depths 1..`depth` on [B, T+1] windows.
+
+    Depth 1: the head sees the trunk's state at t and the true token t + 1
+    and predicts t + 2. Depth k > 1 is the head applied again, as at decode
+    time: it sees its own output state of depth k - 1 and the true token
+    t + k, and predicts t + k + 1 (teacher forcing).
 
     Args:
         rt: the runtime being trained.
         seq: [B, T + 1] token windows.
-        head_weight: weight of the head's loss.
+        head_weight: weight of the head's loss (the mean over depths).
         distill: share of the head's target taken from the trunk's own
-            (detached) distribution at t + 1 instead of the data's token
-            t + 2. Drafts are accepted when they match the trunk, not the
-            data, so this aims the head at acceptance.
+            (detached) distribution at the predicted position instead of
+            the data's token. Drafts are accepted when they match the
+            trunk, not the data, so this aims the head at acceptance.
+        depth: chained head steps.
+        train_trunk: False leaves the trunk's loss out (a frozen trunk).
 
     Returns:
-        (loss, (trunk CE, head CE against the data)).
+        (loss, (trunk CE, head CE against the data at depth 1)).
     """
     inputs, targets = seq[:, :-1], seq[:, 1:]
     logits, hidden = rt.forward(inputs)
     logits = logits.astype(mx.float32)
     trunk_ce = nn.losses.cross_entropy(logits, targets, reduction="mean")
-    # The head sees the trunk's state at t and the true token t+1, predicts t+2.
-    head_logits = rt.head_forward(hidden[:, :-1], targets[:, :-1]).astype(mx.float32)
-    head_ce = nn.losses.cross_entropy(head_logits, targets[:, 1:], reduction="mean")
-    head_loss = head_ce
-    if distill > 0.0:
-        teacher = mx.softmax(mx.stop_gradient(logits[:, 1:]), axis=-1)
-        soft_ce = -(teacher * nn.log_softmax(head_logits, axis=-1)).sum(axis=-1).mean()
-        head_loss = (1.0 - distill) * head_ce + distill * soft_ce
-    return trunk_ce + head_weight * head_loss, (trunk_ce, head_ce)
+    if not train_trunk:
+        logits, hidden = mx.stop_gradient(logits), mx.stop_gradient(hidden)
+    T = targets.shape[1]
+    h = hidden
+    head_losses, head_ce1 = [], None
+    for k in range(1, depth + 1):
+        n = T - k  # positions t whose token t + k + 1 is in the window
+        head_logits, h = rt.head_forward(h[:, :n], targets[:, k - 1 : k - 1 + n], return_hidden=True)
+        head_logits = head_logits.astype(mx.float32)
+        ce = nn.losses.cross_entropy(head_logits, targets[:, k : k + n], reduction="mean")
+        loss_k = ce
+        if distill > 0.0:
+            teacher = mx.softmax(mx.stop_gradient(logits[:, k : k + n]), axis=-1)
+            soft_ce = -(teacher * nn.log_softmax(head_logits, axis=-1)).sum(axis=-1).mean()
+            loss_k = (1.0 - distill) * ce + distill * soft_ce
+        head_losses.append(loss_k)
+        head_ce1 = ce if head_ce1 is None else head_ce1
+    head_loss = sum(head_losses) / len(head_losses)
+    total = (trunk_ce if train_trunk else 0.0) + head_weight * head_loss
+    return total, (trunk_ce, head_ce1)
 
 
-def evaluate(rt, tokens: np.ndarray, seq_len: int, max_tokens: int, batch: int = 8) -> dict:
-    """Held-out losses and the head's teacher-forced greedy agreement.
+def evaluate(rt, tokens: np.ndarray, seq_len: int, max_tokens: int, batch: int = 8, depth: int = 1) -> dict:
+    """Held-out losses and the head's teacher-forced greedy agreement per depth.
 
-    Agreement is the fraction of positions where the head's argmax (from the
-    trunk's state at t and token t+1) equals the trunk's own argmax at t+1:
-    exactly the test a greedy draft must pass to be accepted.
+    Agreement at depth k is the fraction of positions where the head's
+    argmax after k chained steps (true tokens fed, as `joint_loss` trains)
+    equals the trunk's own argmax for that token: the test a greedy draft
+    must pass to be accepted. `agree` is depth 1.
     """
     n = min(len(tokens), max_tokens) // (seq_len + 1)
     if n == 0:
         raise ValueError("not enough held-out tokens to evaluate")
     windows = tokens[: n * (seq_len + 1)].reshape(n, seq_len + 1)
-    tot = {"trunk_ce": 0.0, "head_ce": 0.0, "agree": 0.0, "trunk_top1": 0.0}
+    tot = {"trunk_ce": 0.0, "head_ce": 0.0, "trunk_top1": 0.0}
+    tot.update({f"agree_{k}": 0.0 for k in range(1, depth + 1)})
     count = 0
     for i in range(0, n, batch):
         seq = mx.array(windows[i : i + batch])
         inputs, targets = seq[:, :-1], seq[:, 1:]
         logits, hidden = rt.forward(inputs)
-        head_logits = rt.head_forward(hidden[:, :-1], targets[:, :-1])
         trunk_pred = mx.argmax(logits, axis=-1)
-        head_pred = mx.argmax(head_logits, axis=-1)
-        b = seq.shape[0]
+        T = targets.shape[1]
         stats = {
             "trunk_ce": nn.losses.cross_entropy(logits, targets, reduction="mean"),
-            "head_ce": nn.losses.cross_entropy(head_logits, targets[:, 1:], reduction="mean"),
-            "agree": mx.mean(head_pred == trunk_pred[:, 1:]),
             "trunk_top1": mx.mean(trunk_pred == targets),
         }
+        h = hidden
+        for k in range(1, depth + 1):
+            m = T - k
+            head_logits, h = rt.head_forward(h[:, :m], targets[:, k - 1 : k - 1 + m], return_hidden=True)
+            if k == 1:
+                stats["head_ce"] = nn.losses.cross_entropy(head_logits, targets[:, 1:], reduction="mean")
+            stats[f"agree_{k}"] = mx.mean(mx.argmax(head_logits, axis=-1) == trunk_pred[:, k : k + m])
         mx.eval(stats)
-        for k, v in stats.items():
-            tot[k] += v.item() * b
+        b = seq.shape[0]
+        for key, v in stats.items():
+            tot[key] += v.item() * b
         count += b
-    return {k: v / count for k, v in tot.items()}
+    out = {key: v / count for key, v in tot.items()}
+    out["agree"] = out["agree_1"]
+    return out
 
 
 def lr_at(frac: float, cfg: TrainConfig, step: int) -> float:
@@ -287,7 +324,10 @@ def train(cfg: TrainConfig) -> dict:
     print(f"data: {len(train_files)} train / {len(held_files)} held-out files from {root}", flush=True)
 
     t = time.time()
-    tok = train_tokenizer(train_files, cfg.vocab_size)
+    start = mtplx_ext.load(cfg.init, fuse_cpu_ops=False) if cfg.init else None
+    if start is not None and start.tokenizer is None:
+        raise ValueError(f"--init {cfg.init}: the folder has no tokenizer.json")
+    tok = start.tokenizer if start is not None else train_tokenizer(train_files, cfg.vocab_size)
     train_tokens = encode_files(tok, train_files)
     held_tokens = encode_files(tok, held_files)
     print(
@@ -298,12 +338,20 @@ def train(cfg: TrainConfig) -> dict:
 
     mx.random.seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    rt = build_runtime(cfg, tok)
+    if start is not None:  # the shape is the loaded model's (recorded in its README)
+        c = start.config
+        cfg.vocab_size, cfg.hidden, cfg.layers = c["vocab_size"], c["hidden_size"], c["num_hidden_layers"]
+        cfg.heads, cfg.kv_heads, cfg.intermediate = (
+            c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+        )
+    rt = start if start is not None else build_runtime(cfg, tok)
+    if cfg.freeze_trunk:
+        rt.trunk.freeze()  # embedding and lm_head too: the head shares them
     n_params = sum(v.size for _, v in _flatten(rt.parameters()))
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
 
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
-    loss_and_grad = nn.value_and_grad(rt, lambda s: joint_loss(rt, s, cfg.head_weight, cfg.distill))
+    loss_and_grad = nn.value_and_grad(rt, lambda s: joint_loss(rt, s, cfg.head_weight, cfg.distill, cfg.depth, not cfg.freeze_trunk))
     state = [rt.state, opt.state, mx.random.state]
 
     def _step(seq):
@@ -356,7 +404,7 @@ def train(cfg: TrainConfig) -> dict:
         bar.close()
     train_s = time.time() - t_train
 
-    heldout = evaluate(rt, held_tokens, cfg.seq_len, cfg.eval_tokens)
+    heldout = evaluate(rt, held_tokens, cfg.seq_len, cfg.eval_tokens, depth=max(cfg.depth, 3))
     heldout["decode"] = heldout_decode_acceptance(rt, held_tokens, tok.token_to_id(EOS))
     print("held-out:", json.dumps(heldout), flush=True)
     log.write(json.dumps({"heldout": heldout}) + "\n")
@@ -487,6 +535,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         p.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
     if not 0.0 <= cfg.distill <= 1.0:
         p.error("--distill must be in [0, 1]")
+    if not 1 <= cfg.depth <= 8:
+        p.error("--depth must be in 1..8")
+    if cfg.freeze_trunk and not cfg.init:
+        p.error("--freeze-trunk 1 needs --init MODEL_DIR (a trained trunk)")
     if cfg.minutes <= 0 and cfg.max_steps <= 0:
         p.error("give --minutes > 0 or --max-steps > 0")
     return cfg

@@ -74,16 +74,18 @@ class MTPHead(nn.Module):
         """Output projection; by default the trunk's shared lm_head."""
         return trunk_lib.project(trunk, x)
 
-    def __call__(self, hidden: mx.array, embeds: mx.array, cache: list | None = None) -> mx.array:
-        """Head hidden states for the token after next.
+    def states(self, hidden: mx.array, embeds: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
+        """The head's hidden states before and after its final norm.
 
         Args:
-            hidden: [B, T, H] trunk hidden states at positions t.
+            hidden: [B, T, H] trunk hidden states at positions t (or, for a
+                chained draft step, the head's own output at the step before).
             embeds: [B, T, H] embeddings of the tokens at t + 1.
             cache: one cache per head layer, or None.
 
         Returns:
-            [B, T, H] normed head hidden states (input of `logits`).
+            ([B, T, H] pre-norm, [B, T, H] normed) states; the normed ones
+            are the input of `logits`.
         """
         x = self.combine(hidden, embeds)
         layers = self.layer_list()
@@ -92,7 +94,11 @@ class MTPHead(nn.Module):
         mask = create_attention_mask(x, cache[0], return_array=self._array_mask)
         for layer, c in zip(layers, cache):
             x = layer(x, mask, c)
-        return self.final_norm(x)
+        return x, self.final_norm(x)
+
+    def __call__(self, hidden: mx.array, embeds: mx.array, cache: list | None = None) -> mx.array:
+        """[B, T, H] normed head hidden states for the token after next (see `states`)."""
+        return self.states(hidden, embeds, cache)[1]
 
     # -- checkpoint names ------------------------------------------------
 
