@@ -137,15 +137,21 @@ class ScriptedHead:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
-    def head_forward(self, hidden, next_tokens, head_cache):
-        logits = self.rt.head_forward(hidden, next_tokens, head_cache)
+    def head_states(self, hidden, next_tokens, head_cache):
+        chained, normed = self.rt.head_states(hidden, next_tokens, head_cache)
         # The head cache's offset was advanced by T in the call above; head
         # position j of the call drafts generated index offset - T + j + 2 - len.
+        # That index rides in the normed states (which the cycle gathers per
+        # stream) to `head_logits`.
         T = next_tokens.shape[1]
         g = head_cache[0].offset[:, None] - T + mx.arange(T)[None] + 2 - self.lengths[:, None]
         g = mx.clip(g, 0, self.table.shape[1] - 1)
-        want = mx.take_along_axis(self.table, g, axis=1)
-        return (mx.arange(logits.shape[-1])[None, None] == want[..., None]).astype(logits.dtype) * 30.0 + 0 * logits
+        return chained, mx.zeros_like(normed) + g[..., None].astype(normed.dtype) + 0 * normed
+
+    def head_logits(self, normed):
+        want = mx.take_along_axis(self.table, normed[..., 0].astype(mx.int32), axis=1)
+        V = self.rt.vocab_size
+        return (mx.arange(V)[None, None] == want[..., None]).astype(normed.dtype) * 30.0
 
 
 @pytest.mark.parametrize("model_type, reject_mode", MODES)
@@ -176,7 +182,7 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
 def test_prefill_in_chunks_changes_no_token(model_type, monkeypatch):
-    import mtplx_ext.decode as decode
+    import mtplx_ext.engine.cycle as decode
 
     rng = _rng()
     rt = _runtime(model_type, rng)
@@ -206,8 +212,9 @@ class HeadRecorder:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
-    def head_forward(self, hidden, next_tokens, head_cache):
-        logits = self.rt.head_forward(hidden, next_tokens, head_cache)
+    def head_states(self, hidden, next_tokens, head_cache):
+        chained, normed = self.rt.head_states(hidden, next_tokens, head_cache)
+        logits = self.rt.head_logits(normed)
         T = next_tokens.shape[1]
         offset = np.array(head_cache[0].offset)  # advanced past this call's positions
         draft = np.array(mx.argmax(logits, axis=-1))
@@ -215,7 +222,7 @@ class HeadRecorder:
             for j in range(T):
                 self.drafts[i, int(offset[i]) - T + j + 2 - n] = int(draft[i, j])
         self.calls += 1
-        return logits
+        return chained, normed
 
 
 @pytest.mark.parametrize("model_type, reject_mode", MODES)
@@ -223,7 +230,7 @@ class HeadRecorder:
 def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, reject_mode, chunk, serial, monkeypatch):
     # The head's cache must hold exactly the (hidden at t, token t + 1) pairs
     # of the committed tokens, after accepted and after repaired cycles.
-    import mtplx_ext.decode as decode
+    import mtplx_ext.engine.cycle as decode
 
     if chunk:
         monkeypatch.setattr(decode, "PREFILL_STEP", chunk)

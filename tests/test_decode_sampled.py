@@ -163,7 +163,7 @@ def test_streams_with_nearby_row_seeds_never_share_a_uniform():
     # Each (stream, cycle, call) must get its own uniform. Keys derived by
     # xor-ing the cycle and call into a seed's low word would hand stream
     # 0's draw at cycle 1 to stream 4 at cycle 0 when seeds are 0, 1, 2, ...
-    from mtplx_ext.sampled import SampledPolicy
+    from mtplx_ext.engine.policies import SampledPolicy
 
     B, steps, calls = 64, 8, 4
     policy = SampledPolicy(SamplerConfig(temperature=1.0), row_seeds=list(range(B)))

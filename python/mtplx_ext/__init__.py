@@ -30,7 +30,7 @@ from mtplx_ext.fused import (  # noqa: E402
     rope,
     scaled_dot_product_attention,
 )
-from mtplx_ext.decode import (  # noqa: E402
+from mtplx_ext.engine import (  # noqa: E402
     BatchedDecodeResult,
     StreamResult,
     generate_batched,

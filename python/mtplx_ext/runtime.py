@@ -220,12 +220,27 @@ class MTPRuntime(nn.Module):
                 f"hidden {tuple(hidden.shape)} and next_tokens {tuple(next_tokens.shape)} "
                 "must agree on [B, T]"
             )
+        chained, normed = self.head_states(hidden, next_tokens, head_cache)
+        logits = self.head_logits(normed)
+        return (logits, chained) if return_hidden else logits
+
+    def head_states(
+        self, hidden: mx.array, next_tokens: mx.array, head_cache: list | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """The head's states without the vocabulary projection (no argument checks).
+
+        Returns:
+            ([B, T, H] hidden to chain the head on, [B, T, H] normed states
+            for `head_logits`): a decode cycle projects only the positions
+            it drafts from.
+        """
         embeds = trunk_lib.safe_embed(self.trunk, next_tokens, self.vocab_size)
         pre, post = self.head.states(hidden, embeds, head_cache)
-        logits = self.head.logits(post, self.trunk)
-        if not return_hidden:
-            return logits
-        return logits, (pre if self.hidden_source == "pre_norm" else post)
+        return (pre if self.hidden_source == "pre_norm" else post), post
+
+    def head_logits(self, normed: mx.array) -> mx.array:
+        """[B, T, V] head logits from `head_states`' normed states."""
+        return self.head.logits(normed, self.trunk)
 
     # -- rollback (the decode loop's repair; see cache_state) --------------
 

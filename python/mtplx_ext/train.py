@@ -290,7 +290,7 @@ def _progress(total: int, desc: str, unit: str):
 def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: int = 8,
                               prompt_len: int = 32, new_tokens: int = 96) -> dict:
     """Greedy MTP decoding from the starts of held-out files: the real acceptance rate."""
-    from mtplx_ext.decode import generate_greedy_batched
+    from mtplx_ext.engine import generate_greedy_batched
 
     starts = [0] + [int(i) + 1 for i in np.flatnonzero(held_tokens == eos)[:-1]]
     prompts = []

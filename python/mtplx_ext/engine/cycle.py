@@ -1,0 +1,327 @@
+"""One decode cycle's device graph: draft -> verify -> commit (no host reads here).
+
+Each cycle, for every stream: x0 (the target's token, decided by the cycle
+before or the prefill) and K drafts d_1..d_K from the MTP head applied K
+times (each step fed the head's own output state and its own draft, as
+vLLM's MTP proposer applies one MTP layer recursively); ONE [B, K + 1]
+verification forward of [x0, d_1..d_K]; the token policy's chain bundle
+(x0, n accepted, c_1..c_{K+1}); the host reads only that bundle.
+
+How a rejected draft is undone (the commit):
+
+* per-stream commit (attention-only trunks, `reject_mode="repair"`): each
+  stream keeps its first n + 1 new KV slots and drops the other K - n by
+  moving its end slot on the device (`cache_state.rollback_streams`, no
+  copy); it commits x0, d_1..d_n and goes on from c_{n+1}. No extra
+  forward, and the next cycle is built from device arrays alone.
+* uniform repair (recurrent trunks, and `reject_mode="reforward"`): the host
+  finds r, the tokens after x0 that every stream going on can commit (r = K
+  when they all accepted every draft); below K the whole batch restores its
+  recurrent snapshot, trims K + 1 KV slots and re-forwards [x0, c_1..c_r].
+
+The head keeps a KV cache of (hidden at t, token t + 1) pairs in step with
+the trunk: after each cycle it consumes the committed positions, drafts from
+its output at the last one, and drops the K - 1 slots its chained steps
+wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mtplx_ext import cache_state
+from mtplx_ext.compiled_step import CompiledStep
+from mtplx_ext.engine import bundle as chain
+
+#: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
+PREFILL_STEP = 2048
+#: Cache slots compiled steps start with after the prompt, and grow by.
+COMPILED_GROW_STEP = 256
+
+
+def model_tokens(tokens: mx.array) -> mx.array:
+    """Token ids safe to embed: INVALID (-1) rows only occur for finished or
+    failing streams, and the raw ids still go to verification, which flags them."""
+    return mx.maximum(tokens, 0)
+
+
+@dataclass
+class Pending:
+    """A launched verification (or plain) step whose bundle is not read yet."""
+
+    bundle: mx.array
+    hidden: mx.array | None = None
+    snapshot: cache_state.RecurrentSnapshot | None = None
+    # The next cycle's (x0, d_1..d_K) and draft info, when the step already
+    # built them (per-stream commit).
+    next_tokens: mx.array | None = None
+    next_info: Any = None
+
+
+class Cycle:
+    """Device-graph builders of one batched decode.
+
+    Args:
+        runtime: an `MTPRuntime`.
+        policy: the token policy (`engine.policies`).
+        cache: the trunk's caches.
+        head_cache: the head's caches, or None for plain decoding.
+        depth: drafts per cycle (K).
+        per_stream: per-stream commit (attention-only trunks) instead of
+            uniform repair.
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        policy: Any,
+        cache: list,
+        head_cache: list | None,
+        depth: int = 1,
+        per_stream: bool = False,
+    ):
+        self.rt = runtime
+        self.policy = policy
+        self.cache = cache
+        self.head_cache = head_cache
+        self.depth = depth
+        self.recurrent = cache_state.has_recurrent_state(cache)
+        self.per_stream = per_stream
+        # Compiled steps by kind (see `compile_steps`), or None (eager).
+        self.compiled: dict[str, CompiledStep] | None = None
+
+    def caches(self) -> list[list]:
+        return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
+
+    # -- draft ---------------------------------------------------------------
+
+    def draft(self, chained: mx.array, normed: mx.array, x0: mx.array, step: Any) -> tuple[mx.array, Any]:
+        """K chained head steps from the head's state at x0's position.
+
+        Args:
+            chained, normed: [B, 1, H] head states (`head_states`) of the pair
+                (hidden before x0, x0).
+            x0: [B] the next cycle's x0.
+
+        Returns:
+            ([B, K + 1] (x0, d_1..d_K), the drafts' info stacked [B, K, ...] or None).
+        """
+        prefix = [x0]
+        d, info = self.policy.draft(self.rt.head_logits(normed)[:, 0], step, 1, prefix)
+        drafts, infos = [d], [info]
+        for i in range(2, self.depth + 1):
+            chained, normed = self.rt.head_states(chained, model_tokens(d)[:, None], self.head_cache)
+            prefix.append(d)
+            d, info = self.policy.draft(self.rt.head_logits(normed)[:, 0], step, i, prefix)
+            drafts.append(d)
+            infos.append(info)
+        if self.depth > 1:
+            # The chained steps' slots: the next cycle writes the true pairs there.
+            cache_state.trim_kv(self.head_cache, self.depth - 1)
+        info = None if infos[0] is None else mx.stack(infos, axis=1)
+        return mx.stack([x0] + drafts, axis=1), info
+
+    def prefill(self, padded: mx.array) -> tuple[mx.array, Any]:
+        """Chunked prompt forward, the first x0 and the head's first drafts.
+
+        Returns:
+            ([B, K + 1] (x0, d_1..d_K), draft info), or ([B, 1] x0, None) without a head.
+        """
+        T = padded.shape[1]
+        starts = list(range(0, T, PREFILL_STEP))
+        for s in starts:
+            logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache, last_logits_only=True)
+            # The head consumes (hidden at t, token t + 1); the last chunk's
+            # final pair needs x0, so that chunk waits for it.
+            if self.head_cache is not None and s != starts[-1]:
+                self.rt.head_states(hidden, padded[:, s + 1 : s + PREFILL_STEP + 1], self.head_cache)
+            mx.async_eval([c.state for cl in self.caches() for c in cl])
+        x0 = self.policy.pick(logits[:, -1], 0)
+        cache_state.finish_prefill(self.cache)
+        if self.head_cache is None:
+            return x0[:, None], None
+        nxt = mx.concatenate([padded[:, starts[-1] + 1 :], model_tokens(x0)[:, None]], axis=1)
+        chained, normed = self.rt.head_states(hidden, nxt, self.head_cache)
+        cache_state.finish_prefill(self.head_cache)
+        return self.draft(chained[:, -1:], normed[:, -1:], x0, 0)
+
+    # -- verify --------------------------------------------------------------
+
+    def verify(self, tokens: mx.array, info: Any, step: Any) -> Pending:
+        """Snapshot (recurrent trunks), [B, K + 1] verification forward, chain bundle."""
+        snap = cache_state.snapshot_recurrent(self.cache) if self.recurrent else None
+        logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
+        return Pending(self.policy.verify(logits, tokens, info, step), hidden, snap)
+
+    # -- commit --------------------------------------------------------------
+
+    def commit_per_stream(self, p: Pending, step: Any) -> tuple[mx.array, Any]:
+        """Each stream keeps x0, d_1..d_n on the device and drafts from c_{n+1}.
+
+        Returns:
+            The next cycle's ([B, K + 1] tokens, draft info).
+        """
+        b = p.bundle
+        n = chain.accepted_count(b)
+        c = chain.committed_tokens(b)
+        # Head pairs (h_j, c_{j+1}) for j = 0..K; a stream keeps the first n + 1.
+        chained, normed = self.rt.head_states(p.hidden, model_tokens(c), self.head_cache)
+        at = n[:, None, None]
+        x0 = mx.take_along_axis(c, n[:, None], axis=1)[:, 0]
+        dropped = self.depth - n
+        cache_state.rollback_streams(self.cache, dropped)
+        cache_state.rollback_streams(self.head_cache, dropped)
+        self.policy.commit(b, n)
+        self.policy.set_next(x0)
+        return self.draft(
+            mx.take_along_axis(chained, at, axis=1), mx.take_along_axis(normed, at, axis=1), x0, step
+        )
+
+    def commit_all(self, p: Pending, step: Any) -> tuple[mx.array, Any]:
+        """Uniform repair, no stream going on rejected: commit x0, d_1..d_K; go on from c_{K+1}."""
+        b = p.bundle
+        c = chain.committed_tokens(b)
+        chained, normed = self.rt.head_states(p.hidden, model_tokens(c), self.head_cache)
+        x0 = c[:, -1]
+        self.policy.commit(b, self.depth)
+        self.policy.set_next(x0)
+        return self.draft(chained[:, -1:], normed[:, -1:], x0, step)
+
+    def repair(self, p: Pending, r: int, step: Any) -> tuple[mx.array, Any]:
+        """Uniform repair: roll the batch back and re-forward [x0, c_1..c_r]."""
+        if p.snapshot is not None:
+            cache_state.restore_recurrent(self.cache, p.snapshot)
+        cache_state.trim_kv(self.cache, self.depth + 1)
+        b = p.bundle
+        c = chain.committed_tokens(b)
+        seq = mx.concatenate([b[:, chain.COL_X0 : chain.COL_X0 + 1], c[:, :r]], axis=1)
+        logits, hidden = self.rt.forward(model_tokens(seq), self.cache)
+        self.policy.commit(b, r)
+        x0 = self.policy.pick(logits[:, -1], step)
+        pairs = mx.concatenate([c[:, :r], x0[:, None]], axis=1)
+        chained, normed = self.rt.head_states(hidden, model_tokens(pairs), self.head_cache)
+        return self.draft(chained[:, -1:], normed[:, -1:], x0, step)
+
+    def plain_step(self, tokens: mx.array, step: Any) -> Pending:
+        """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
+        logits, _ = self.rt.forward(model_tokens(tokens), self.cache)
+        return Pending(self.policy.pick(logits[:, -1], step)[:, None])
+
+    # -- compiled steps ------------------------------------------------------
+
+    def compile_steps(self) -> None:
+        """Replays every later step through `mx.compile` (after the prefill).
+
+        Needs fixed-capacity ragged caches and a policy that lists its device
+        state in `state_attrs`. Kinds: "plain"; "stream" (per-stream commit:
+        one step per cycle); "first", "accept" and "repair{r}" (uniform
+        repair: the host picks one from the bundle; a repair kind is traced
+        when first needed). All kinds share the caches and the policy's state.
+        """
+        self._holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
+        if self.head_cache is None:
+            units = {"plain": self._plain_unit}
+        elif self.per_stream:
+            units = {"stream": self._stream_unit}
+        else:
+            units = {"first": self._first_unit, "accept": self._accept_unit}
+        # The snapshot's layout, from snapshot_recurrent itself (its arrays
+        # stay lazy and are dropped unevaluated).
+        self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if self.recurrent else []
+        self.compiled = {k: self._compile(u) for k, u in units.items()}
+        # All kinds share one state: any of them can reserve, save or load it.
+        self._shared = next(iter(self.compiled.values()))
+
+    def _compile(self, unit: Any) -> CompiledStep:
+        return CompiledStep(unit, self.caches(), self._holders, grow_step=COMPILED_GROW_STEP)
+
+    def _stream_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
+        # Cycle `step`'s verification, then the drafts for cycle step + 1.
+        p = self.verify(tokens, info[0] if info else None, step)
+        nxt, nxt_info = self.commit_per_stream(p, step + 1)
+        return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,))
+
+    def _plain_unit(self, step: mx.array, tokens: mx.array) -> mx.array:
+        return self.plain_step(tokens, step).bundle
+
+    @staticmethod
+    def _pending_arrays(p: Pending) -> tuple[mx.array, ...]:
+        return (p.bundle, p.hidden) + tuple(p.snapshot.arrays if p.snapshot is not None else ())
+
+    def _first_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
+        return self._pending_arrays(self.verify(tokens, info[0] if info else None, step))
+
+    def _accept_unit(self, step: mx.array, bundle: mx.array, hidden: mx.array) -> tuple[mx.array, ...]:
+        return self._pending_arrays(self.verify(*self.commit_all(Pending(bundle, hidden), step), step))
+
+    def _repair_unit(self, r: int) -> Any:
+        def unit(step: mx.array, bundle: mx.array, hidden: mx.array, *snap: mx.array) -> tuple:
+            p = Pending(bundle, hidden, self._snapshot(snap))
+            return self._pending_arrays(self.verify(*self.repair(p, r, step), step))
+
+        return unit
+
+    def _snapshot(self, arrays: Sequence[mx.array]) -> cache_state.RecurrentSnapshot | None:
+        if not self.recurrent:
+            return None
+        return cache_state.RecurrentSnapshot(slots=list(self._snapshot_slots), arrays=list(arrays))
+
+    def launch(self, kind: str, step: int, slots: int, *args: mx.array) -> Pending:
+        """Compiled step `kind` of cycle `step` (see `compile_steps` for its inputs).
+
+        `slots`: cache slots (prompt included) that live streams may need.
+        """
+        assert self.compiled is not None
+        if kind not in self.compiled:  # "repair{r}", traced when first needed
+            self.compiled[kind] = self._compile(self._repair_unit(int(kind[len("repair") :])))
+        self.reserve(slots)
+        out = self.compiled[kind](mx.array(step, dtype=mx.uint32), *args)
+        if kind == "plain":
+            return Pending(out)
+        if kind == "stream":
+            return Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None)
+        return Pending(out[0], out[1], self._snapshot(out[2:]))
+
+    def launch_first(self, tokens: mx.array, info: Any, slots: int) -> Pending:
+        """The compiled first verification (cycle 1) from the prefill's drafts."""
+        extra = () if info is None else (info,)
+        return self.launch("stream" if self.per_stream else "first", 1, slots, tokens, *extra)
+
+    def reserve(self, slots: int) -> None:
+        """Grows the caches the compiled steps share to `slots` slots, if needed."""
+        self._shared.reserve(slots)
+
+    def save_compiled(self) -> list[mx.array]:
+        """The state the compiled steps share (to undo a step built and never run)."""
+        return self._shared.state()
+
+    def load_compiled(self, state: list[mx.array]) -> None:
+        self._shared.load(state)
+
+    def next_step(self, p: Pending, mtp: bool, r: int | None, step: int, slots: int = 0) -> Pending:
+        """Builds cycle `step` after `p`.
+
+        Args:
+            r: uniform repair only: None to commit every draft (no stream
+                going on rejected), else the tokens after x0 to re-forward.
+        """
+        if self.compiled is not None:
+            if not mtp:
+                return self.launch("plain", step, slots, p.bundle)
+            if self.per_stream:
+                extra = () if p.next_info is None else (p.next_info,)
+                return self.launch("stream", step, slots, p.next_tokens, *extra)
+            if r is not None:
+                snap = p.snapshot.arrays if p.snapshot else ()
+                return self.launch(f"repair{r}", step, slots, p.bundle, p.hidden, *snap)
+            return self.launch("accept", step, slots, p.bundle, p.hidden)
+        if not mtp:
+            return self.plain_step(p.bundle, step)
+        if self.per_stream:
+            return self.verify(*self.commit_per_stream(p, step), step)
+        nxt = self.repair(p, r, step) if r is not None else self.commit_all(p, step)
+        return self.verify(*nxt, step)

@@ -1,0 +1,251 @@
+"""Fixed-batch generation: `generate_batched` and `generate_greedy_batched`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import wired_limit
+
+from mtplx_ext.engine import cycle as cycle_mod
+from mtplx_ext.engine.cycle import Cycle, Pending
+from mtplx_ext.engine.loop import run_cycles
+from mtplx_ext.engine.policies import make_policy
+from mtplx_ext.engine.results import BatchedDecodeResult
+from mtplx_ext.engine.streams import OnCommit, Streams
+
+REJECT_MODES = ("repair", "reforward")
+#: Drafts per cycle a decode may ask for.
+MAX_DEPTH = 8
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
+    """Token-id lists, each non-empty and inside the vocabulary (TypeError / ValueError)."""
+    if isinstance(prompts, (str, bytes, mx.array)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, np.ndarray) and p.ndim == 1:
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        for j, t in enumerate(p):
+            if not _is_int(t):
+                raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__}")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}] = {t} is outside the vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def check_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError("stop_token_ids must be a collection of int token ids")
+    ids = list(stop_token_ids)
+    for t in ids:
+        if not _is_int(t):
+            raise TypeError(f"stop_token_ids must hold int token ids, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(int(t) for t in ids)
+
+
+def check_depth(depth: object) -> int:
+    if not _is_int(depth):
+        raise TypeError(f"depth must be an int in 1..{MAX_DEPTH}, got {type(depth).__name__}")
+    if not 1 <= int(depth) <= MAX_DEPTH:
+        raise ValueError(f"depth must be in 1..{MAX_DEPTH}, got {depth}")
+    return int(depth)
+
+
+def generate_batched(
+    runtime: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    sampler: Any = None,
+    seed: int | None = None,
+    row_seeds: Sequence[int] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    use_mtp_draft: bool = True,
+    depth: int = 1,
+    reject_mode: str = "repair",
+    serial: bool = False,
+    on_commit: OnCommit | None = None,
+    enforce_eager: bool = False,
+) -> BatchedDecodeResult:
+    """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle.
+
+    Args:
+        runtime: an `MTPRuntime` (make_cache, make_head_cache, forward,
+            head_states, head_logits, vocab_size, has_mtp).
+        prompts: token-id lists, any lengths (left-padded into one batch;
+            padding never changes a stream's tokens).
+        max_new_tokens: cap on each stream's generated tokens (exact).
+        sampler: None or an object with `temperature` 0 for greedy
+            decoding; a `mtplx_ext.SamplerConfig` (or a list, one per
+            stream) for exact sampled speculative decoding.
+        seed, row_seeds: seeds of the sampled path (unused when greedy):
+            row_seeds gives each stream its own seed, so that its tokens do
+            not depend on the other streams of the batch; with `seed` alone,
+            stream i's seed derives from (seed, i).
+        stop_token_ids: tokens that end a stream (the stop token is kept).
+        use_mtp_draft: False decodes plainly, one token per forward (the
+            baseline), through the same runtime.
+        depth: drafts per cycle, K in 1..8: the head applied K times, then
+            one [B, K + 1] verification forward.
+        reject_mode: "repair": per-stream commit when the trunk is
+            attention-only (each stream keeps its accepted drafts, no extra
+            forward), else uniform repair; "reforward": always the uniform
+            full-batch repair (snapshot restore, re-forward).
+        serial: True runs the plain loop; False pipelines graph building
+            and host bookkeeping with the device work. Same tokens and
+            forwards either way.
+        on_commit: called as on_commit(stream index, new token ids) when a
+            stream commits tokens.
+        enforce_eager: True builds every step's graph in Python; False
+            traces each kind of step once with `mx.compile` and replays it.
+            Same tokens either way, up to float rounding of fused
+            element-wise kernels.
+
+    Returns:
+        A `BatchedDecodeResult`.
+
+    Raises:
+        TypeError / ValueError: naming the bad argument.
+        NotImplementedError: temperature > 0 without a SamplerConfig.
+        RuntimeError: naming a stream whose logits or tokens became invalid.
+    """
+    vocab = int(runtime.vocab_size)
+    prompts = check_prompts(prompts, vocab)
+    if not _is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    max_new_tokens = int(max_new_tokens)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    stop_ids = check_stop_ids(stop_token_ids, vocab)
+    depth = check_depth(depth)
+    if reject_mode not in REJECT_MODES:
+        raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError("on_commit must be callable or None")
+    use_mtp_draft = bool(use_mtp_draft)
+    if use_mtp_draft and not runtime.has_mtp:
+        raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
+    policy = make_policy(sampler, seed, row_seeds)
+
+    # One token per stream is the prefill's x0: nothing to draft or verify.
+    mtp = use_mtp_draft and max_new_tokens > 1
+    with wired_limit(runtime), _fused_attention(runtime):
+        attention_only = not _has_recurrent_layers(runtime)
+        per_stream = mtp and reject_mode == "repair" and attention_only
+        compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
+        return _generate(
+            runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
+            per_stream, compiled,
+        )
+
+
+def _fused_attention(runtime: Any) -> Any:
+    # Process-wide while decoding, so only for runtimes that opted in.
+    if getattr(runtime, "cpu_ops_fused", False):
+        from mtplx_ext.fused import patch_mlx_lm_attention  # noqa: PLC0415
+
+        return patch_mlx_lm_attention()
+    return contextlib.nullcontext()
+
+
+def _has_recurrent_layers(runtime: Any) -> bool:
+    flag = getattr(runtime, "has_recurrent_layers", None)
+    return True if flag is None else bool(flag)
+
+
+def _generate(
+    runtime: Any,
+    prompts: list[list[int]],
+    policy: Any,
+    max_new_tokens: int,
+    stop_ids: frozenset[int],
+    mtp: bool,
+    depth: int,
+    serial: bool,
+    on_commit: OnCommit | None,
+    per_stream: bool,
+    compiled: bool,
+) -> BatchedDecodeResult:
+    t0 = time.perf_counter()
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    pads = [width - n for n in lengths]
+    padded = mx.array([[0] * pad + p for pad, p in zip(pads, prompts)], dtype=mx.int32)
+    # (The ragged keyword only when used: runtimes without it still repair.)
+    kw: dict[str, Any] = {"ragged": True} if per_stream else {}
+    st = Streams(len(prompts), int(runtime.vocab_size), max_new_tokens, stop_ids, on_commit, depth, per_stream, width)
+    if compiled:  # (attention layers only: recurrent ones keep their ArraysCache)
+        head_room = max_new_tokens + 2 * depth + 1  # all of a short decode, else grown in steps
+        kw = {"ragged": True, "capacity": width + min(head_room, cycle_mod.COMPILED_GROW_STEP)}
+    cache = runtime.make_cache(pads, **kw)
+    head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
+    cyc = Cycle(runtime, policy, cache, head_cache, depth, per_stream)
+    tokens, info = cyc.prefill(padded)
+    # A device barrier (no host read) so prefill and decode times separate.
+    mx.eval(tokens, [c.state for c in cyc.caches()[0]])
+    t1 = time.perf_counter()
+
+    if compiled:
+        cyc.compile_steps()
+        st.result.compiled = True
+    if not mtp:
+        first = Pending(tokens)
+    else:
+        first = cyc.launch_first(tokens, info, st.slots_needed()) if compiled else cyc.verify(tokens, info, 1)
+    st.result.forwards += int(mtp)
+    if not serial:
+        mx.async_eval(first.bundle)
+    run_cycles(cyc, st, first, mtp, serial)
+    st.result.prefill_s = t1 - t0
+    st.result.decode_s = time.perf_counter() - t1
+    return st.result
+
+
+def generate_greedy_batched(
+    runtime: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    use_mtp_draft: bool = True,
+    depth: int = 1,
+    reject_mode: str = "repair",
+    serial: bool = False,
+    on_commit: OnCommit | None = None,
+    enforce_eager: bool = False,
+) -> BatchedDecodeResult:
+    """Greedy batched MTP decoding: `generate_batched` at temperature 0.
+
+    See `generate_batched` for the arguments and the result.
+    """
+    return generate_batched(
+        runtime,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        use_mtp_draft=use_mtp_draft,
+        depth=depth,
+        reject_mode=reject_mode,
+        serial=serial,
+        on_commit=on_commit,
+        enforce_eager=enforce_eager,
+    )

@@ -1,0 +1,105 @@
+"""The decode loop: cycles run serially or pipelined, one bundle read per cycle."""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx_ext import cache_state
+from mtplx_ext.engine.cycle import Cycle, Pending
+from mtplx_ext.engine.streams import Streams
+
+#: Weight of the newest cycle in the pipelined loop's estimate of how often
+#: cycles repair (it builds the likelier path ahead).
+_REPAIR_EMA = 0.25
+
+
+def read_bundle(p: Pending, streams: Streams) -> np.ndarray:
+    """The cycle's one blocking host read."""
+    t = time.perf_counter()
+    b = np.array(p.bundle)
+    streams.result.sync_wait_s += time.perf_counter() - t
+    streams.result.host_syncs += 1
+    return b
+
+
+def _decide(st: Streams, b: np.ndarray, mtp: bool):
+    return st.decide(b) if mtp else (st.decide_plain(b), None)
+
+
+def run_cycles(cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool) -> None:
+    """The decode cycles, serial or pipelined (same graphs, same forwards).
+
+    Pipelined, the host builds the next cycle's graph while the device runs
+    the current one. With per-stream commit (and plain decoding) the next
+    cycle depends only on device arrays. With uniform repair it is built
+    along the likelier path (every stream accepts, or the one repair a
+    depth-1 cycle can need) and dropped unevaluated when the bundle says
+    otherwise: tokens and forwards equal the serial loop's.
+    """
+    res = st.result
+    p = first
+    repair_rate = 0.0
+    uniform = mtp and not cyc.per_stream
+    while True:
+        res.cycles += 1
+        if serial:
+            commits, r = _decide(st, read_bundle(p, st), mtp)
+            st.apply(commits)
+            if not st.any_live():
+                return
+        elif not uniform:
+            # Launch the next cycle before reading this one, so the device
+            # never waits for the host; unless this cycle may end every
+            # stream at its cap.
+            spec = cyc.next_step(p, mtp, None, res.cycles + 1, st.slots_needed())
+            early = not st.may_all_finish()
+            if early:
+                mx.async_eval(spec.bundle)
+            commits, r = _decide(st, read_bundle(p, st), mtp)
+            if not st.any_live():
+                st.apply(commits)
+                if early:
+                    # A stop token ended them early: the launched cycle is
+                    # wasted work, and the decode time includes it.
+                    mx.eval(spec.bundle)
+                return
+            if not early:
+                mx.async_eval(spec.bundle)
+        else:
+            # A repair's width is known before the bundle only at depth 1.
+            guess = 1 if repair_rate > 0.5 and cyc.depth == 1 else None
+            slots = st.slots_needed()
+            if cyc.compiled is not None:
+                # Grow first: a restored state must fit the caches' shapes.
+                cyc.reserve(slots)
+                saved, ckpt = cyc.save_compiled(), None
+            else:
+                saved, ckpt = None, cache_state.checkpoint_caches(*cyc.caches(), [cyc.policy])
+            spec = cyc.next_step(p, mtp, guess, res.cycles + 1, slots)
+            commits, r = _decide(st, read_bundle(p, st), mtp)
+            if r != guess or not st.any_live():
+                if ckpt is None:
+                    cyc.load_compiled(saved)
+                else:
+                    cache_state.rollback_caches(ckpt)
+            if not st.any_live():
+                st.apply(commits)
+                return
+            if r != guess:
+                spec = cyc.next_step(p, mtp, r, res.cycles + 1, slots)
+            # No stale handles on the caches' arrays: MLX may update them in place.
+            del ckpt
+            saved = None
+            mx.async_eval(spec.bundle)
+            repair_rate += _REPAIR_EMA * (float(r is not None) - repair_rate)
+        res.forwards += 1 + int(r is not None)
+        res.repair_cycles += int(r is not None)
+        if serial:
+            p = cyc.next_step(p, mtp, r, res.cycles + 1, st.slots_needed())
+        else:
+            # Late commit: host bookkeeping and callbacks overlap the device.
+            st.apply(commits)
+            p = spec

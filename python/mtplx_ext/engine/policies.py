@@ -1,0 +1,315 @@
+"""Token policies: how the decode loop picks, drafts and verifies tokens.
+
+A policy only builds device graph; nothing is read on the host. Tokens a
+policy cannot choose (non-finite logits) come out as INVALID. `step` is the
+cycle a call belongs to (0 for the prefill; a device scalar inside compiled
+steps): the sampled policy derives its uniforms from (seed, row, step, call,
+draft position), so serial, pipelined, eager and compiled runs draw the same
+numbers, and a stream's draws do not depend on the other streams.
+
+Per-stream device state (penalty counts, keys) lives in plain attributes
+listed in `state_attrs`: the pipelined loop checkpoints them with the caches,
+and compiled steps take and return them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx_ext import verify as verify_ops
+from mtplx_ext.engine import bundle as chain
+from mtplx_ext.sampled import sample_tokens, sampler_params, verify_sampled
+from mtplx_ext.sampling import SamplerConfig
+from mtplx_ext.verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy
+
+
+class TokenPolicy(Protocol):
+    """The pluggable token choice and verification of the decode cycle."""
+
+    state_attrs: tuple[str, ...]
+
+    def pick(self, logits: mx.array, step: Any) -> mx.array:
+        """[B, V] target logits -> [B] int32 token (prefill, repair, plain decoding)."""
+
+    def draft(self, head_logits: mx.array, step: Any, position: int, prefix: Sequence[mx.array]) -> tuple[mx.array, Any]:
+        """[B, V] head logits of draft `position` (1..K) -> ([B] draft, what `verify` needs of it).
+
+        `prefix` holds the tokens before it in this cycle: x0, d_1..d_{position-1}.
+        """
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any) -> mx.array:
+        """[B, K+1, V] logits at (x0, d_1..d_K), [B, K+1] tokens -> [B, K+3] chain bundle."""
+
+    def commit(self, bundle: mx.array, count: mx.array | int) -> None:
+        """Records that each stream committed x0 and c_1..c_count (count: [B] or one int)."""
+
+    def set_next(self, x0: mx.array) -> None:
+        """The next cycle's x0 (decided, not committed yet)."""
+
+
+class GreedyPolicy:
+    """Temperature 0: argmax choices, drafts accepted while they equal the argmax."""
+
+    state_attrs: tuple[str, ...] = ()
+
+    def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
+        # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
+        # argmax of the first row, accept is -1 when that row is unusable.
+        b = verify_greedy(mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32))
+        return mx.where(b[:, COL_ACCEPT] < 0, INVALID, b[:, COL_SECOND])
+
+    def draft(
+        self, head_logits: mx.array, step: Any = 0, position: int = 1, prefix: Sequence[mx.array] = ()
+    ) -> tuple[mx.array, Any]:
+        # A plain argmax: a draft from unusable head logits is only a wrong
+        # proposal, which verification rejects.
+        return mx.argmax(head_logits, axis=-1).astype(mx.int32), None
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any = 0) -> mx.array:
+        fused = getattr(verify_ops, "verify_greedy_chain", None)
+        if fused is not None:
+            return fused(verify_logits, tokens)
+        return chain.greedy_chain_composed(verify_logits, tokens)
+
+    def commit(self, bundle: mx.array, count: mx.array | int) -> None:
+        pass
+
+    def set_next(self, x0: mx.array) -> None:
+        pass
+
+
+#: Uniform streams of a sampled decode: one key per (row, step, call, position).
+_CALL_PICK, _CALL_DRAFT, _CALL_ACCEPT, _CALL_RESAMPLE = range(4)
+#: Odd constant that separates the key words of draft positions 2..K.
+_POSITION_WORD = 0x9E3779B9
+
+
+class SampledPolicy:
+    """Exact speculative sampling for `SamplerConfig`s (one shared, or one per stream).
+
+    x0 and the drafts come from `sample_tokens`; verification accepts draft
+    i with probability min(1, p_i / q_i), in order, and at the first
+    rejection draws from normalise(max(p_i - q_i, 0)); with every draft
+    accepted the bonus is drawn from p_{K+1} (`mtplx_ext.sampling` defines
+    the rule). Committed tokens follow the target's sampled distribution
+    whatever the head proposes.
+
+    Randomness: row b's uniform for (step, call, position) comes from its own
+    key, so a stream's tokens depend only on its seed and its own logits. The
+    bonus drawn at cycle s and the x0 a repair forward picks for cycle s + 1
+    use the same uniform. Depth 1 draws exactly the numbers of the
+    single-draft decoder.
+
+    Penalty counts (generated tokens only) live on the device as a [B, V]
+    int32 array updated from each bundle, kept only when some stream has a
+    penalty; draft position i sees them plus x0 and d_1..d_{i-1}.
+    """
+
+    state_attrs = ("counts", "x0", "_keys", "_params")
+
+    def __init__(
+        self,
+        sampler: SamplerConfig | Sequence[SamplerConfig],
+        seed: int | None = None,
+        row_seeds: Sequence[int] | None = None,
+    ):
+        if isinstance(sampler, SamplerConfig):
+            self._configs: list[SamplerConfig] | None = None
+            self._shared: SamplerConfig | None = sampler
+        else:
+            configs = list(sampler)
+            for i, c in enumerate(configs):
+                if not isinstance(c, SamplerConfig):
+                    raise TypeError(f"sampler[{i}] must be a SamplerConfig, got {type(c).__name__}")
+            if not configs:
+                raise ValueError("sampler is an empty list: give one SamplerConfig per stream")
+            self._configs = configs
+            self._shared = None
+        if row_seeds is not None:
+            row_seeds = [int(x) for x in row_seeds]
+            if any(not 0 <= x < 2**64 for x in row_seeds):
+                raise ValueError("row_seeds must be ints in [0, 2**64)")
+        if seed is not None and not 0 <= int(seed) < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {seed}")
+        self._seed = seed
+        self._row_seeds = row_seeds
+        self._ready = False
+        # Device state (checkpointed by the pipelined loop with the caches).
+        self.counts: mx.array | None = None
+        self.x0: mx.array | None = None
+        self.x0_is_bonus = False
+
+    @property
+    def configs(self) -> list[SamplerConfig] | SamplerConfig:
+        return self._configs if self._configs is not None else self._shared  # type: ignore[return-value]
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """True when every stream is greedy without penalties."""
+        cs = self._configs if self._configs is not None else [self._shared]
+        return all(c.greedy and not c.has_penalties for c in cs)
+
+    def _setup(self, B: int, V: int) -> None:
+        if self._ready:
+            return
+        if self._configs is not None and len(self._configs) != B:
+            raise ValueError(f"sampler has {len(self._configs)} SamplerConfigs for {B} prompts")
+        seeds = self._row_seeds
+        if seeds is None:
+            rng = np.random.default_rng(self._seed)
+            seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
+        elif len(seeds) != B:
+            raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
+        words = np.array(seeds, dtype=np.uint64)
+        raw = mx.array(np.stack([(words >> 32).astype(np.uint32), (words & 0xFFFFFFFF).astype(np.uint32)], axis=1))
+        # Row keys through threefry: mx.random.key(s) is just the seed's two
+        # words, so for nearby seeds the (step, call) counter xor-ed into the
+        # low word would hand one row's uniforms to another row.
+        self._keys = mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
+        self._params = sampler_params(self.configs, B)
+        cs = self._configs if self._configs is not None else [self._shared]
+        self._penalties = any(c.has_penalties for c in cs)
+        self._ready = True
+
+    def _uniforms(self, step: Any, calls: Sequence[int], position: int = 1) -> mx.array:
+        """[B, len(calls)] float32: row b's uniform of (step, call, draft position).
+
+        `step` may be a device scalar (an input of a compiled decode step):
+        the keys are derived on the device either way, so both agree.
+        Position 1 uses the single-draft decoder's keys.
+        """
+        step = step.astype(mx.uint32) if isinstance(step, mx.array) else mx.array(step, dtype=mx.uint32)
+        hi = self._keys[:, 0]
+        if position > 1:
+            hi = hi ^ mx.array((_POSITION_WORD * (position - 1)) & 0xFFFFFFFF, dtype=mx.uint32)
+        cols = []
+        for c in calls:
+            key = mx.stack([hi, self._keys[:, 1] ^ ((step << 2) | c)], axis=1)
+            cols.append(mx.vmap(lambda kk: mx.random.uniform(shape=(), key=kk))(key))
+        return mx.stack(cols, axis=1)
+
+    @staticmethod
+    def _add(counts: mx.array, tok: mx.array) -> mx.array:
+        # Invalid (-1) tokens count nothing and are never used as an index.
+        rows = mx.arange(tok.shape[0])
+        return counts.at[rows, mx.maximum(tok, 0)].add((tok >= 0).astype(mx.int32))
+
+    def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
+        B, V = logits.shape
+        self._setup(B, V)
+        if self._penalties:
+            if self.counts is None:
+                self.counts = mx.zeros((B, V), mx.int32)
+            if self.x0 is not None and not self.x0_is_bonus:
+                # Plain decoding: the previous pick is now committed.
+                self.counts = self._add(self.counts, self.x0)
+        u = self._uniforms(step, [_CALL_PICK])[:, 0]
+        tok = sample_tokens(logits, u, self._params, token_counts=self.counts)
+        self.x0, self.x0_is_bonus = tok, False
+        return tok
+
+    def draft(
+        self, head_logits: mx.array, step: Any = 0, position: int = 1, prefix: Sequence[mx.array] = ()
+    ) -> tuple[mx.array, mx.array]:
+        B, V = head_logits.shape
+        self._setup(B, V)
+        u = self._uniforms(step, [_CALL_DRAFT], position)[:, 0]
+        extra = mx.stack(list(prefix), axis=1) if self._penalties and len(prefix) else None
+        d = sample_tokens(head_logits, u, self._params, token_counts=self.counts, extra_tokens=extra)
+        return d, head_logits
+
+    def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: mx.array, step: Any = 0) -> mx.array:
+        B, T, V = verify_logits.shape
+        K = T - 1
+        self._setup(B, V)
+        accepts = [self._uniforms(step, [_CALL_ACCEPT], i) for i in range(1, K + 1)]
+        u = mx.concatenate(
+            accepts + [self._uniforms(step, [_CALL_RESAMPLE]), self._uniforms(step + 1, [_CALL_PICK])], axis=1
+        )
+        from mtplx_ext import sampled as sampled_ops  # noqa: PLC0415
+
+        fused = getattr(sampled_ops, "verify_sampled_chain", None)
+        if fused is not None:
+            return fused(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
+        return self._chain_by_pairs(verify_logits, draft_info, tokens, u)
+
+    def _chain_by_pairs(self, logits: mx.array, draft_logits: mx.array, tokens: mx.array, u: mx.array) -> mx.array:
+        # The chain rule as K single-draft verifications: position i is a
+        # one-draft cycle whose "x0" is the token before d_i, with counts up
+        # to that token (the fused chain primitive does this in one pass).
+        B, T, V = logits.shape
+        K = T - 1
+        counts = self.counts
+        accepted, seconds, bonus = [], [], None
+        for i in range(1, K + 1):
+            pair = mx.stack([tokens[:, i - 1], tokens[:, i]], axis=1)
+            ui = mx.stack([u[:, i - 1], u[:, K], u[:, K + 1]], axis=1)
+            b = verify_sampled(logits[:, i - 1 : i + 1], draft_logits[:, i - 1], pair, ui, self._params, token_counts=counts)
+            accepted.append(b[:, COL_ACCEPT])
+            seconds.append(b[:, COL_SECOND])
+            bonus = b[:, 4]
+            if counts is not None and i < K:
+                counts = self._add(counts, tokens[:, i - 1])
+        acc = mx.stack(accepted, axis=1)
+        invalid = mx.any(acc < 0, axis=1)
+        n = mx.sum(mx.cumprod((acc == 1).astype(mx.int32), axis=1), axis=1)
+        d_ext = mx.concatenate([tokens[:, 1:], mx.full((B, 1), INVALID, mx.int32)], axis=1)
+        sec = mx.concatenate([mx.stack(seconds, axis=1), bonus[:, None]], axis=1)  # c_{n+1} candidates
+        pos = mx.arange(T, dtype=mx.int32)[None]
+        target = mx.take_along_axis(sec, n[:, None], axis=1)
+        c = mx.where(pos < n[:, None], d_ext, mx.where(pos == n[:, None], target, INVALID))
+        c = mx.where(invalid[:, None], INVALID, c)
+        n = mx.where(invalid, INVALID, n)
+        return mx.concatenate([tokens[:, :1].astype(mx.int32), n[:, None], c], axis=1).astype(mx.int32)
+
+    def commit(self, bundle: mx.array, count: mx.array | int) -> None:
+        """Counts x0 and c_1..c_count as generated; the next x0 is not counted yet."""
+        if self._penalties and self.counts is not None:
+            counts = self._add(self.counts, bundle[:, chain.COL_X0])
+            c = chain.committed_tokens(bundle)
+            K = c.shape[1] - 1
+            for j in range(K if isinstance(count, mx.array) else int(count)):
+                tok = c[:, j] if not isinstance(count, mx.array) else mx.where(j < count, c[:, j], INVALID)
+                counts = self._add(counts, tok)
+            self.counts = counts
+        self.x0_is_bonus = True
+
+    def set_next(self, x0: mx.array) -> None:
+        """The next cycle's x0 (the bonus or a stream's own token), not counted yet."""
+        self.x0 = x0
+
+
+def make_policy(sampler: Any = None, seed: int | None = None, row_seeds: Sequence[int] | None = None) -> Any:
+    """The token policy for a sampler setting.
+
+    Args:
+        sampler: None; a `SamplerConfig` or one per stream (exact sampled
+            speculative decoding: `SampledPolicy`); or any object with
+            `temperature` 0 (greedy).
+        seed, row_seeds: random seeds of the sampled path; row_seeds (one
+            per stream) make each stream independent of the batch.
+
+    Raises:
+        NotImplementedError: temperature > 0 without a SamplerConfig.
+        TypeError / ValueError: for an unusable sampler.
+    """
+    if sampler is None:
+        return GreedyPolicy()
+    if isinstance(sampler, SamplerConfig) or (
+        isinstance(sampler, Sequence) and len(sampler) > 0 and all(isinstance(c, SamplerConfig) for c in sampler)
+    ):
+        sampled = SampledPolicy(sampler, seed=seed, row_seeds=row_seeds)
+        return GreedyPolicy() if sampled.is_plain_greedy else sampled
+    temperature = getattr(sampler, "temperature", None)
+    if temperature is None:
+        raise TypeError(f"sampler must be None or have a temperature, got {type(sampler).__name__}")
+    temperature = float(temperature)
+    if not temperature >= 0.0:
+        raise ValueError(f"sampler.temperature must be >= 0, got {temperature}")
+    if temperature == 0.0:
+        return GreedyPolicy()
+    raise NotImplementedError("sampled decoding (temperature > 0) takes a mtplx_ext.SamplerConfig (or one per stream)")

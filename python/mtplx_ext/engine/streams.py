@@ -1,0 +1,162 @@
+"""Host-side bookkeeping of a batched decode: commits, finish reasons, statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, COL_X0
+from mtplx_ext.engine.results import BatchedDecodeResult, StreamResult
+
+OnCommit = Callable[[int, list[int]], None]
+
+#: A host decision: per stream (index, new tokens, finish reason or None).
+Commits = list[tuple[int, list[int], str | None]]
+
+
+class Streams:
+    """What each stream has committed, and what a cycle's bundle means for it.
+
+    Args:
+        n: streams.
+        vocab_size: the model's vocabulary.
+        max_new_tokens: cap on each stream's generated tokens.
+        stop_ids: tokens that end a stream (kept).
+        on_commit: callback(stream, new tokens) or None.
+        depth: drafts per cycle (0 for plain decoding).
+        per_stream: per-stream commit (a stream commits x0, d_1..d_n and its
+            c_{n+1} is the next cycle's x0) instead of uniform repair.
+        width: prompt slots of the caches.
+    """
+
+    def __init__(
+        self,
+        n: int,
+        vocab_size: int,
+        max_new_tokens: int,
+        stop_ids: frozenset[int],
+        on_commit: OnCommit | None,
+        depth: int = 0,
+        per_stream: bool = False,
+        width: int = 0,
+    ):
+        self.vocab_size = vocab_size
+        self.depth = depth
+        self.per_stream = per_stream
+        self.result = BatchedDecodeResult(
+            streams=[StreamResult() for _ in range(n)], depth=depth, reached=[0] * depth, accepted_at=[0] * depth
+        )
+        self.max_new = max_new_tokens
+        self.stop_ids = stop_ids
+        self.on_commit = on_commit
+        self.done = np.zeros(n, dtype=bool)
+        self.count = np.zeros(n, dtype=np.int64)
+        self.width = width
+
+    def _fail(self, i: int, why: str) -> None:
+        raise RuntimeError(f"stream {i}: invalid decode row ({why}) after {self.count[i]} committed tokens")
+
+    def _walk(self, i: int, toks: list[int], n: int | None) -> tuple[list[int], str | None]:
+        """The prefix of `toks` stream i commits, stopping at a stop token or its cap.
+
+        Also counts the drafts whose verdict was used (n: accepted drafts).
+        """
+        new: list[int] = []
+        for j, t in enumerate(toks):
+            if j > 0 and n is not None and n < 0:
+                self._fail(i, "non-finite verification logits")
+            if not 0 <= t < self.vocab_size:
+                self._fail(i, f"token {t} outside the vocabulary (non-finite logits)")
+            new.append(t)
+            if t in self.stop_ids:
+                return new, "stop"
+            if self.count[i] + len(new) >= self.max_new:
+                return new, "length"
+            if n is not None and j < self.depth and j <= n:
+                # The stream goes on after token j: draft j + 1 was checked.
+                if j == 0:
+                    self.result.stream_cycles += 1
+                self.result.reached[j] += 1
+                self.result.drafted += 1
+                if j < n:
+                    self.result.accepted_at[j] += 1
+                    self.result.accepted += 1
+        return new, None
+
+    def decide_plain(self, b: np.ndarray) -> Commits:
+        """[B, 1] next tokens of a plain step."""
+        return [self._take(int(i), *self._walk(int(i), [int(b[i, 0])], None)) for i in np.flatnonzero(~self.done)]
+
+    def decide(self, b: np.ndarray) -> tuple[Commits, int | None]:
+        """What each live stream commits from a [B, K + 3] chain bundle.
+
+        Returns:
+            (commits, r): r is None when no repair forward is needed, else
+            (uniform repair) the tokens after x0 that the batch re-forwards.
+
+        Raises:
+            RuntimeError: naming the first stream that needs a token from an
+                invalid row (n = -1 or a token outside the vocabulary).
+        """
+        K = self.depth
+        live = np.flatnonzero(~self.done)
+        if self.per_stream:
+            out = []
+            for i in live:
+                n = int(b[i, COL_N])
+                toks = [int(b[i, COL_X0])] + [int(t) for t in b[i, COL_TOKENS : COL_TOKENS + max(n, 0)]]
+                out.append(self._take(int(i), *self._walk(int(i), toks if n >= 0 else toks + [-1], n)))
+            return out, None
+        # Uniform repair: a stream that goes on may commit c_1..c_{min(n+1, K)};
+        # the batch commits as many as the one that may commit fewest.
+        walked, r = [], K
+        for i in live:
+            n = int(b[i, COL_N])
+            m = min(n + 1, K) if n >= 0 else 1
+            toks = [int(b[i, COL_X0])] + [int(t) for t in b[i, COL_TOKENS : COL_TOKENS + m]]
+            new, reason = self._walk(int(i), toks, n)
+            walked.append((int(i), new, reason))
+            if reason is None and n < K:
+                r = min(r, n + 1)
+        repair = any(reason is None and int(b[i, COL_N]) < K for i, _, reason in walked)
+        out = [self._take(i, new if reason else new[: r + 1], reason) for i, new, reason in walked]
+        return out, (r if repair else None)
+
+    def _take(self, i: int, new: list[int], reason: str | None) -> tuple[int, list[int], str | None]:
+        self.count[i] += len(new)
+        if reason:
+            self.done[i] = True
+        return i, new, reason
+
+    def apply(self, commits: Commits) -> None:
+        """Appends committed tokens and calls the on_commit callback."""
+        for i, new, reason in commits:
+            s = self.result.streams[i]
+            s.tokens.extend(new)
+            if reason:
+                s.finish_reason = reason
+            if self.on_commit is not None:
+                self.on_commit(i, new)
+
+    def may_all_finish(self) -> bool:
+        """Whether the in-flight cycle may bring every live stream to its cap."""
+        live = ~self.done
+        return bool(np.all(self.count[live] + self.depth + 1 >= self.max_new))
+
+    def any_live(self) -> bool:
+        return not bool(self.done.all())
+
+    def slots_needed(self) -> int:
+        """Cache slots (prompt included) the next launched step may write for live streams.
+
+        A step writes at most K + 1 slots after a stream's committed tokens
+        (its head K - 1 more for chained drafts, dropped again), and the step
+        before it (launched, not read yet) commits at most K + 1 more. A
+        stream whose count would pass max_new_tokens is finished: its writes
+        are clamped and ignored.
+        """
+        live = self.count[~self.done]
+        most = int(live.max()) if live.size else 0
+        k = self.depth + 1
+        return self.width + min(most + 2 * k, self.max_new + k) + max(self.depth - 1, 0)
