@@ -29,8 +29,14 @@ cpu::RowArgmax argmax_row(const void* row, mx::Dtype dtype, int V) {
 
 // Writes a finished chain into its bundle row: n = kInvalid leaves every
 // token column kInvalid.
-void write_chain(int32_t* row, int K, int64_t x0, int n, const int32_t* c) {
-  row[kChainColX0] = (x0 >= 0 && x0 <= kMaxCount) ? int32_t(x0) : kInvalid;
+void write_chain(
+    int32_t* row,
+    int K,
+    int V,
+    int64_t x0,
+    int n,
+    const int32_t* c) {
+  row[kChainColX0] = (x0 >= 0 && x0 < V) ? int32_t(x0) : kInvalid;
   row[kChainColAccepted] = n;
   for (int j = 0; j <= K; ++j) {
     row[kChainColFirst + j] = (n >= 0 && j <= n) ? c[j] : kInvalid;
@@ -91,7 +97,7 @@ void VerifyGreedyChain::eval_cpu(
           c[n] = a.index;
         }
       }
-      write_chain(o + size_t(b) * (K + 3), K, x0, n, c);
+      write_chain(o + size_t(b) * (K + 3), K, V, x0, n, c);
     };
     const double cost = double(B) * T * V * kArgmaxNsPerLogit;
     cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
@@ -210,7 +216,7 @@ void VerifySampledChain::eval_cpu(
           }
         }
       }
-      write_chain(o + size_t(b) * (K + 3), K, x0, n, c);
+      write_chain(o + size_t(b) * (K + 3), K, V, x0, n, c);
     };
     double cost = 0; // up to K + 1 target rows and K draft rows
     for (int b = 0; b < B; ++b) {
