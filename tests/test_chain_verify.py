@@ -529,6 +529,8 @@ def test_broken_chain_kernel_with_counts_one_draft_short_is_caught(emu, rng):
     for _ in range(3):
         vl, dl, vh, dh, tk, u, counts, _ = sampled_case(rng, B, K, V, mx.float32)
         cfgs = [SamplerConfig(temperature=0.0, presence_penalty=3.0, frequency_penalty=1.0)] * B
+        # x0 at the top of p_1: only the penalty on x0 moves the greedy pick.
+        tk[:, 0] = np.where(np.isnan(vh[:, 0]).any(-1), tk[:, 0], np.nan_to_num(vh[:, 0], posinf=0).argmax(-1))
         tk = tk.astype(np.int32)
         good = _emu_sampled(emu, "verify_sampled_chain_float32_int32", vl, dl, tk, u, cfgs, counts, 64)
         bad = _emu_sampled(emu, "broken/chain_counts_one_short/verify_sampled_chain_float32_int32", vl, dl, tk, u, cfgs, counts, 64)
