@@ -48,6 +48,32 @@ inline void check_verify_logits(const mx::array& verify_logits) {
   }
 }
 
+// The logits of a depth-K verification forward: [B, K + 1, V] with
+// K in [1, kMaxChainDrafts] (max_drafts), B, V >= 1, a logit dtype.
+// Returns K.
+inline int check_chain_logits(const mx::array& logits, int max_drafts) {
+  if (logits.ndim() != 3) {
+    bad_arg(
+        "verify_logits must have shape [B, K + 1, V], got " +
+        shape_str(logits.shape()));
+  }
+  const int K = logits.shape(1) - 1;
+  if (K < 1 || K > max_drafts) {
+    bad_arg(
+        "verify_logits must have shape [B, K + 1, V] with K in [1, " +
+        std::to_string(max_drafts) + "], got " + shape_str(logits.shape()));
+  }
+  if (!is_logit_dtype(logits.dtype())) {
+    bad_arg("verify_logits must be float32, float16 or bfloat16");
+  }
+  if (logits.shape(0) < 1 || logits.shape(2) < 1) {
+    bad_arg(
+        "verify_logits must have B >= 1 and V >= 1, got " +
+        shape_str(logits.shape()));
+  }
+  return K;
+}
+
 // Token ids are read as int32 or int64; narrower ints widen losslessly, so no
 // id can wrap into the vocabulary.
 inline mx::array

@@ -50,6 +50,14 @@ NB_MODULE(_ext, m) {
       "stream"_a = nb::none());
 
   m.def(
+      "verify_greedy_chain",
+      &mtplx::verify_greedy_chain,
+      "verify_logits"_a,
+      "tokens"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+
+  m.def(
       "snapshot_state",
       &mtplx::snapshot_state,
       "leaves"_a,

@@ -42,4 +42,12 @@ void VerifySampled::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   no_gpu_kernel("verify_sampled");
 }
 
+void VerifyGreedyChain::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("verify_greedy_chain");
+}
+
+void VerifySampledChain::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  no_gpu_kernel("verify_sampled_chain");
+}
+
 } // namespace mtplx

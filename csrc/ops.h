@@ -17,6 +17,13 @@ mx::array verify_greedy(
     const mx::array& tokens,
     mx::StreamOrDevice s = {});
 
+// verify_logits [B, K + 1, V] (K in 1..8); tokens [B, K + 1] (x0, d_1..d_K).
+// -> chain bundle [B, K + 3] int32.
+mx::array verify_greedy_chain(
+    const mx::array& verify_logits,
+    const mx::array& tokens,
+    mx::StreamOrDevice s = {});
+
 std::vector<mx::array> snapshot_state(
     const std::vector<mx::array>& leaves,
     mx::StreamOrDevice s = {});

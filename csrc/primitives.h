@@ -30,6 +30,27 @@ class VerifyGreedy : public mx::UnaryPrimitive {
       const std::vector<mx::array>& inputs) override;
 };
 
+// Greedy verification of K chained drafts per stream (K = T - 1 in 1..8).
+// Inputs: logits [B, T, V] (float32/float16/bfloat16, row contiguous),
+// tokens [B, T] (int32 or int64: x0, d_1..d_K). Output: the chain bundle
+// [B, K + 3] int32 (layout in mtplx_rules.h).
+class VerifyGreedyChain : public mx::UnaryPrimitive {
+ public:
+  explicit VerifyGreedyChain(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "VerifyGreedyChain";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+};
+
 // Copies every input leaf into a fresh output of the same shape and dtype, in
 // one primitive for the whole list.
 class SnapshotState : public mx::Primitive {

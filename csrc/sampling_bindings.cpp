@@ -36,6 +36,19 @@ void bind_sampling(nb::module_& m) {
       "variant"_a = 0,
       "stream"_a = nb::none());
 
+  m.def(
+      "verify_sampled_chain",
+      &mtplx::verify_sampled_chain,
+      "verify_logits"_a,
+      "draft_logits"_a,
+      "tokens"_a,
+      "uniforms"_a,
+      "params"_a,
+      "token_counts"_a = nb::none(),
+      nb::kw_only(),
+      "variant"_a = 0,
+      "stream"_a = nb::none());
+
   // Internal: the CPU kernels' thread count (MTPLX_CPU_THREADS or the
   // default; raises ValueError when the variable is invalid), an override
   // for tests and benchmarks (0 clears it; returns the previous override)

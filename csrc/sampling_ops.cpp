@@ -32,12 +32,27 @@ mx::array float_input(const char* name, const mx::array& a, mx::Stream st) {
   return mx::contiguous(t, false, st);
 }
 
+// Counts travel as int32. Wider counts are clipped into [0, 2**31 - 1]
+// first: a cast alone would wrap 2**31 to a negative count, which turns the
+// penalties off (the kernels treat negative counts as 0 and saturate).
 mx::array counts_input(const mx::array& a, int B, int V, mx::Stream st) {
   require_shape("token_counts", a, {B, V}, "[B, V]");
   if (!mx::issubdtype(a.dtype(), mx::integer)) {
     bad_arg("token_counts must have an integer dtype");
   }
-  auto t = a.dtype() == mx::int32 ? a : mx::astype(a, mx::int32, st);
+  mx::array t = a;
+  if (a.dtype() == mx::int64) {
+    t = mx::clip(
+        a,
+        mx::array(int64_t(0), mx::int64),
+        mx::array(int64_t(kMaxCount), mx::int64),
+        st);
+  } else if (a.dtype() == mx::uint32 || a.dtype() == mx::uint64) {
+    t = mx::minimum(a, mx::array(kMaxCount, a.dtype()), st);
+  }
+  if (t.dtype() != mx::int32) {
+    t = mx::astype(t, mx::int32, st);
+  }
   return mx::contiguous(t, false, st);
 }
 
@@ -82,10 +97,11 @@ mx::array sample_tokens(
   }
   if (extra_tokens) {
     auto& e = *extra_tokens;
-    if (e.ndim() != 2 || e.shape(0) != B || e.shape(1) > 2) {
+    if (e.ndim() != 2 || e.shape(0) != B || e.shape(1) > kMaxChainDrafts) {
       bad_arg(
           "extra_tokens must have shape [B, E] with B = " + std::to_string(B) +
-          " and E <= 2, got " + shape_str(e.shape()));
+          " and E <= " + std::to_string(kMaxChainDrafts) + ", got " +
+          shape_str(e.shape()));
     }
     inputs.push_back(token_ids("extra_tokens", e, st));
   }
@@ -158,6 +174,60 @@ bool VerifySampled::is_equivalent(const mx::Primitive& other) const {
 std::vector<mx::Shape> VerifySampled::output_shapes(
     const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), kBundleCols}};
+}
+
+mx::array verify_sampled_chain(
+    const mx::array& verify_logits,
+    const mx::array& draft_logits,
+    const mx::array& tokens,
+    const mx::array& uniforms,
+    const mx::array& params,
+    const std::optional<mx::array>& token_counts,
+    int variant,
+    mx::StreamOrDevice s) {
+  const int K = check_chain_logits(verify_logits, kMaxChainDrafts);
+  const int B = verify_logits.shape(0);
+  const int V = verify_logits.shape(2);
+  require_shape("draft_logits", draft_logits, {B, K, V}, "[B, K, V]");
+  if (draft_logits.dtype() != verify_logits.dtype()) {
+    bad_arg("draft_logits must have the dtype of verify_logits");
+  }
+  require_shape("tokens", tokens, {B, K + 1}, "[B, K + 1]");
+  require_shape("uniforms", uniforms, {B, K + 2}, "[B, K + 2]");
+  require_shape("params", params, {B, kParamCols}, "[B, 7]");
+  if (variant < 0 || variant > 3) {
+    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
+  }
+  auto st = mx::to_stream(s);
+  if (variant != 0 && st.device != mx::Device::cpu) {
+    bad_arg("variant (a test-only broken rule) runs on the CPU only");
+  }
+  check_cpu_threads(st);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(verify_logits, false, st),
+      mx::contiguous(draft_logits, false, st),
+      token_ids("tokens", tokens, st),
+      float_input("uniforms", uniforms, st),
+      float_input("params", params, st)};
+  if (token_counts) {
+    inputs.push_back(counts_input(*token_counts, B, V, st));
+  }
+  return mx::array(
+      {B, K + 3},
+      mx::int32,
+      std::make_shared<VerifySampledChain>(
+          st, token_counts.has_value(), static_cast<ChainVariant>(variant)),
+      std::move(inputs));
+}
+
+bool VerifySampledChain::is_equivalent(const mx::Primitive& other) const {
+  auto& o = static_cast<const VerifySampledChain&>(other);
+  return has_counts_ == o.has_counts_ && variant_ == o.variant_;
+}
+
+std::vector<mx::Shape> VerifySampledChain::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1) + 2}};
 }
 
 } // namespace mtplx

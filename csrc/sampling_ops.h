@@ -34,4 +34,18 @@ mx::array verify_sampled(
     int variant = 0,
     mx::StreamOrDevice s = {});
 
+// verify_logits [B, K + 1, V] (K in 1..8); draft_logits [B, K, V]; tokens
+// [B, K + 1] (x0, d_1..d_K); uniforms [B, K + 2]; params [B, 7] float32;
+// token_counts [B, V] (before x0). -> chain bundle [B, K + 3] int32.
+// `variant` != 0 selects a test-only broken rule (CPU only).
+mx::array verify_sampled_chain(
+    const mx::array& verify_logits,
+    const mx::array& draft_logits,
+    const mx::array& tokens,
+    const mx::array& uniforms,
+    const mx::array& params,
+    const std::optional<mx::array>& token_counts,
+    int variant = 0,
+    mx::StreamOrDevice s = {});
+
 } // namespace mtplx

@@ -89,4 +89,48 @@ class VerifySampled : public mx::UnaryPrimitive {
   SamplingVariant variant_;
 };
 
+// Test-only deliberately wrong chain rules (CPU only), for the statistical
+// tests to reject.
+enum class ChainVariant : int {
+  kExact = 0,
+  kResidualUnnormalised = 1, // residual drawn as if its mass were 1
+  kBonusFromDraft = 2, // bonus drawn from the last draft row, not p_{K+1}
+  kAcceptWithNextTarget = 3, // accept test against p_{i+1} instead of p_i
+};
+
+// Exact speculative verification of K chained sampled drafts per row.
+// Inputs: verify_logits [B, K + 1, V], draft_logits [B, K, V] (same float
+// dtype), tokens [B, K + 1] (int32/int64: x0, d_1..d_K), uniforms
+// [B, K + 2] float32 (u_accept_1..K, u_resample, u_bonus), params
+// [B, kParamCols] float32, then optionally counts [B, V] int32.
+// Output: the chain bundle [B, K + 3] int32 (layout in mtplx_rules.h).
+class VerifySampledChain : public mx::UnaryPrimitive {
+ public:
+  VerifySampledChain(mx::Stream stream, bool has_counts, ChainVariant variant)
+      : mx::UnaryPrimitive(stream),
+        has_counts_(has_counts),
+        variant_(variant) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "VerifySampledChain";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+  bool has_counts() const {
+    return has_counts_;
+  }
+  ChainVariant variant() const {
+    return variant_;
+  }
+
+ private:
+  bool has_counts_;
+  ChainVariant variant_;
+};
+
 } // namespace mtplx

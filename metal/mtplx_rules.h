@@ -101,6 +101,15 @@ MTPLX_CONST int kUniformAccept = 0;
 MTPLX_CONST int kUniformResample = 1;
 MTPLX_CONST int kUniformBonus = 2;
 
+// Penalty counts: a negative count acts as 0, and adding the occurrences of
+// tokens inside the cycle saturates at the largest int32 (a count wrapping
+// negative would silently switch the penalties off).
+MTPLX_CONST int kMaxCount = 2147483647;
+MTPLX_FN int penalty_count(int count, int extra) {
+  count = count > 0 ? count : 0;
+  return extra > kMaxCount - count ? kMaxCount : count + extra;
+}
+
 // Penalties on a raw logit seen `count` times: repetition first (divide a
 // positive logit, multiply a negative one), then frequency and presence.
 template <typename T>
@@ -124,6 +133,24 @@ MTPLX_FN T clamp_uniform(T u, T one_below) {
 template <typename T>
 MTPLX_FN bool accepts_draft(T u, T q_d, T p_d) {
   return u * q_d < p_d;
+}
+
+// ---- Depth-K chains (verify_greedy_chain / verify_sampled_chain).
+// Bundle [B, K + 3]: x0, n (accepted drafts, or kInvalid), then the K + 1
+// committed tokens c_1..c_{K+1} (kInvalid past c_{n+1}).
+MTPLX_CONST int kMaxChainDrafts = 8;
+MTPLX_CONST int kChainColX0 = 0;
+MTPLX_CONST int kChainColAccepted = 1;
+MTPLX_CONST int kChainColFirst = 2;
+// Tokens a position of the chain counts on top of the counts: x0, d_1..d_K.
+MTPLX_CONST int kMaxExtraTokens = kMaxChainDrafts + 1;
+// Uniforms of verify_sampled_chain: [B, K + 2] = u_accept_1..K, u_resample,
+// u_bonus.
+MTPLX_FN int chain_uniform_resample(int k) {
+  return k;
+}
+MTPLX_FN int chain_uniform_bonus(int k) {
+  return k + 1;
 }
 
 // Top-k length of the kept prefix: top_k in (0, V) keeps top_k tokens.

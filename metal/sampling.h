@@ -150,8 +150,8 @@ struct LogitRow {
   const device typename K::bits_t* x;
   const device int* counts; // read only when has_counts
   bool has_counts;
-  int e0; // ids counted once more (-1: none)
-  int e1;
+  int n_ex; // ids counted once more: ex[0..n_ex) (-1: counts nothing)
+  int ex[kMaxExtraTokens];
 };
 
 // Steps 1 and 2: z = penalised(l) / T (T = 1 for greedy rows).
@@ -159,7 +159,11 @@ template <typename K>
 inline float z_at(LogitRow<K> r, SamplerRow s, int i) {
   float l = to_float<K>(r.x[i]);
   if (s.penalties) {
-    int c = (r.has_counts ? r.counts[i] : 0) + int(i == r.e0) + int(i == r.e1);
+    int extra = 0;
+    for (int e = 0; e < r.n_ex; ++e) {
+      extra += int(i == r.ex[e]);
+    }
+    int c = penalty_count(r.has_counts ? r.counts[i] : 0, extra);
     l = penalised_logit<float>(l, c, s.presence, s.frequency, s.repetition);
   }
   return s.temperature > 0.0f ? l / s.temperature : l;
@@ -429,15 +433,10 @@ template <typename K, typename TokT>
   r.x = logits + size_t(row) * V;
   r.counts = counts + (has_counts ? size_t(row) * V : 0);
   r.has_counts = has_counts != 0;
-  r.e0 = -1;
-  r.e1 = -1;
-  if (n_extra > 0) {
-    TokT e = extra[size_t(row) * n_extra];
-    r.e0 = (e >= 0 && e < TokT(V)) ? int(e) : -1;
-  }
-  if (n_extra > 1) {
-    TokT e = extra[size_t(row) * n_extra + 1];
-    r.e1 = (e >= 0 && e < TokT(V)) ? int(e) : -1;
+  r.n_ex = min(n_extra, kMaxExtraTokens);
+  for (int e = 0; e < r.n_ex; ++e) {
+    TokT t = extra[size_t(row) * n_extra + e];
+    r.ex[e] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
   }
   SamplerRow s = sampler_row(params + size_t(row) * kParamCols);
   DistCut d = build_dist<K>(r, s, V, c);
@@ -497,31 +496,33 @@ template <typename K, typename TokT>
   rp.x = vlogits + size_t(row) * 2 * V;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
   rp.has_counts = has_counts != 0;
-  rp.e0 = x0;
-  rp.e1 = -1;
+  rp.n_ex = 1;
+  rp.ex[0] = x0;
   LogitRow<K> rq = rp;
   rq.x = dlogits + size_t(row) * V;
   LogitRow<K> r1 = rp;
   r1.x = rp.x + V;
-  r1.e1 = draft;
+  r1.n_ex = 2;
+  r1.ex[1] = draft;
 
-  // All three rows are checked, as in verify_greedy; tokens first.
+  // Both verification rows are checked, as in verify_greedy; tokens first.
+  // An unusable draft row (a broken head) only rejects the draft.
   DistCut p = build_dist<K>(rp, sp, V, c);
   DistCut q = build_dist<K>(rq, sq, V, c);
   DistCut p1 = build_dist<K>(r1, s, V, c);
   int second = kInvalid, accept = kInvalid, bonus = kInvalid;
-  if (x0_ok && d_ok && p.valid && q.valid && p1.valid) {
+  if (x0_ok && d_ok && p.valid && p1.valid) {
     float pd = prob_of<K>(rp, sp, p, draft);
-    float qd = prob_of<K>(rq, sq, q, draft);
+    float qd = q.valid ? prob_of<K>(rq, sq, q, draft) : 0.0f;
     float ua = clamp_uniform<float>(u[kUniformAccept], kOneBelowF);
-    if (accepts_draft<float>(ua, qd, pd)) {
+    if (q.valid && accepts_draft<float>(ua, qd, pd)) {
       accept = 1;
       second = draft;
       bonus = draw_token<K>(
           r1, s, p1, r1, s, p1, false, u[kUniformBonus], V, c);
     } else {
       accept = 0;
-      bool from_target = variant == 1;
+      bool from_target = variant == 1 || !q.valid;
       if (!from_target) {
         second = draw_token<K>(
             rp, sp, p, rq, sq, q, true, u[kUniformResample], V, c);

@@ -40,6 +40,8 @@ COVERED = {
 COVERED_ELSEWHERE = {
     "sample_tokens_*": "test_sampling_fused.py",
     "verify_sampled_*": "test_sampling_fused.py",
+    "verify_greedy_chain_*": "test_chain_verify.py",
+    "verify_sampled_chain_*": "test_chain_verify.py",
 }
 
 

@@ -437,8 +437,13 @@ def test_unusable_rows_get_minus_one_and_leave_other_rows_alone(rng):
     u = rng.random((B, 3)).astype(np.float32)
     cfg = SamplerConfig(temperature=0.8, top_p=0.9)
     out = np.array(mtplx_ext.verify_sampled(mx.array(lg), mx.array(dl), mx.array(tokens), mx.array(u), cfg))
-    assert np.all(out[:6, 3] == -1) and np.all(out[:6, 2] == -1)
+    bad = [0, 1, 3, 4, 5]
+    assert np.all(out[bad, 3] == -1) and np.all(out[bad, 2] == -1)
     assert out[3, 0] == -1 and out[4, 1] == -1 and out[5, 1] == -1
+    # Row 2's draft logits are unusable (a broken head): the draft is
+    # rejected and the token drawn from p, never blamed on the target.
+    p = transform_row(lg[2, 0].astype(np.float64), cfg, counts_with(None, V, [tokens[2, 0]])).p
+    assert out[2, 3] == 0 and out[2, 4] == -1 and out[2, 2] == sample_from(p, u[2, 1])
     assert np.all(out[6:, 3] >= 0)
     # The healthy rows alone give the same result.
     alone = np.array(
@@ -465,7 +470,7 @@ def test_bad_arguments_raise_naming_the_argument(rng):
     with pytest.raises(ValueError, match="token_counts"):
         mtplx_ext.sample_tokens(lg, u, cfg, token_counts=mx.zeros((B, V + 1), mx.int32))
     with pytest.raises(ValueError, match="extra_tokens"):
-        mtplx_ext.sample_tokens(lg, u, cfg, extra_tokens=mx.zeros((B, 3), mx.int32))
+        mtplx_ext.sample_tokens(lg, u, cfg, extra_tokens=mx.zeros((B, 9), mx.int32))
     with pytest.raises(ValueError, match="sampler"):
         mtplx_ext.sample_tokens(lg, u, [cfg] * (B + 1))
     with pytest.raises(ValueError, match="sampler"):

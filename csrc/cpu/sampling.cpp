@@ -12,6 +12,7 @@
 
 #include "cpu/half_bits.h"
 #include "cpu/row_argmax.h"
+#include "cpu/row_jobs.h"
 #include "cpu/thread_pool.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mtplx_rules.h"
@@ -168,8 +169,6 @@ MTPLX_INLINE ZRange transform_lanes(
     const typename Load::bits_t* x,
     int V,
     const int32_t* counts,
-    int64_t e0,
-    int64_t e1,
     const RowSampler& s,
     double t,
     double* z) {
@@ -183,7 +182,9 @@ MTPLX_INLINE ZRange transform_lanes(
   auto one = [&](int i) {
     double l = Load::get(x[i]);
     if constexpr (kPenalties) {
-      int c = (counts ? counts[i] : 0) + int(i == e0) + int(i == e1);
+      // Counts alone (no additions, so no overflow); the extra tokens are
+      // patched in afterwards by the caller.
+      int c = counts ? counts[i] : 0;
       l = penalised_logit<double>(l, c, s.presence, s.frequency, s.repetition);
     }
     return l / t;
@@ -218,50 +219,41 @@ MTPLX_INLINE ZRange transform_impl(
     const typename Load::bits_t* x,
     int V,
     const int32_t* counts,
-    int64_t e0,
-    int64_t e1,
     const RowSampler& s,
     double t,
     double* z) {
-  return s.penalties
-      ? transform_lanes<Load, true>(x, V, counts, e0, e1, s, t, z)
-      : transform_lanes<Load, false>(x, V, counts, e0, e1, s, t, z);
+  return s.penalties ? transform_lanes<Load, true>(x, V, counts, s, t, z)
+                     : transform_lanes<Load, false>(x, V, counts, s, t, z);
 }
 
 MTPLX_CLONES ZRange transform_f32(
     const uint32_t* x,
     int V,
     const int32_t* c,
-    int64_t e0,
-    int64_t e1,
     const RowSampler& s,
     double t,
     double* z) {
-  return transform_impl<LoadF32>(x, V, c, e0, e1, s, t, z);
+  return transform_impl<LoadF32>(x, V, c, s, t, z);
 }
 
 MTPLX_CLONES ZRange transform_f16(
     const uint16_t* x,
     int V,
     const int32_t* c,
-    int64_t e0,
-    int64_t e1,
     const RowSampler& s,
     double t,
     double* z) {
-  return transform_impl<LoadF16>(x, V, c, e0, e1, s, t, z);
+  return transform_impl<LoadF16>(x, V, c, s, t, z);
 }
 
 MTPLX_CLONES ZRange transform_bf16(
     const uint16_t* x,
     int V,
     const int32_t* c,
-    int64_t e0,
-    int64_t e1,
     const RowSampler& s,
     double t,
     double* z) {
-  return transform_impl<LoadBF16>(x, V, c, e0, e1, s, t, z);
+  return transform_impl<LoadBF16>(x, V, c, s, t, z);
 }
 
 // ---- Radix select over the order (key ascending, token ascending).
@@ -797,40 +789,41 @@ int RowDistBuilder::sparse_top_k(
     const void* logits,
     mx::Dtype dtype,
     const int32_t* counts,
-    int64_t extra0,
-    int64_t extra1,
+    const ExtraTokens& extra,
     const RowSampler& s,
     int k,
     bool penalised,
-    const std::vector<int>* penalty_base,
+    const SeenPrefix& prefix,
     int& n) {
   const int V = V_;
-  seen_.clear();
+  seen_valid_ = false;
   if (penalised) {
-    // base_: the tokens of counts and extra0, ascending and unique (taken
-    // from the caller when it has them for the same counts and extra0).
-    if (penalty_base) {
-      base_.assign(penalty_base->begin(), penalty_base->end());
+    // The tokens of counts and of the extras, ascending and unique; a prefix
+    // from an earlier build with the same counts covers the first extras.
+    // (Copied first: the prefix may be this builder's own seen_.)
+    int from = 0;
+    if (prefix.tokens) {
+      base_.assign(prefix.tokens->begin(), prefix.tokens->end());
+      from = prefix.n_extra;
     } else {
       base_.clear();
       if (counts) {
         positive_counts(counts, V, base_);
       }
-      if (extra0 >= 0 && extra0 < V) {
-        auto at = std::lower_bound(base_.begin(), base_.end(), int(extra0));
-        if (at == base_.end() || *at != int(extra0)) {
-          base_.insert(at, int(extra0));
+    }
+    seen_.swap(base_);
+    for (int e = from; e < extra.n; ++e) {
+      const int64_t t = extra.ids[e];
+      if (t >= 0 && t < V) {
+        auto at = std::lower_bound(seen_.begin(), seen_.end(), int(t));
+        if (at == seen_.end() || *at != int(t)) {
+          seen_.insert(at, int(t));
         }
       }
     }
-    base_valid_ = true;
-    seen_.assign(base_.begin(), base_.end());
-    if (extra1 >= 0 && extra1 < V) {
-      auto at = std::lower_bound(seen_.begin(), seen_.end(), int(extra1));
-      if (at == seen_.end() || *at != int(extra1)) {
-        seen_.insert(at, int(extra1));
-      }
-    }
+    seen_valid_ = true;
+  } else {
+    seen_.clear();
   }
   const int k2 = k + int(seen_.size());
   if (k2 > kSparseLimit || k2 >= V / 4) {
@@ -865,8 +858,7 @@ int RowDistBuilder::sparse_top_k(
     const int tok = idx[j];
     double l = logit_at(logits, dtype, tok);
     if (penalised) {
-      int c = (counts ? counts[tok] : 0) + int(tok == extra0) +
-          int(tok == extra1);
+      const int c = penalty_count(counts ? counts[tok] : 0, extra.count(tok));
       l = penalised_logit<double>(l, c, s.presence, s.frequency, s.repetition);
     }
     z[j] = l / t;
@@ -954,17 +946,15 @@ bool RowDistBuilder::build(
     const void* logits,
     mx::Dtype dtype,
     const int32_t* counts,
-    int64_t extra0,
-    int64_t extra1,
+    const ExtraTokens& extra,
     const RowSampler& s,
     RowDist& out,
-    const std::vector<int>* penalty_base) {
+    const SeenPrefix& prefix) {
   out = RowDist{};
-  base_valid_ = false;
+  seen_valid_ = false;
   const int V = V_;
   const bool greedy = !(s.temperature > 0);
-  const bool penalised = s.penalties &&
-      (counts || (extra0 >= 0 && extra0 < V) || (extra1 >= 0 && extra1 < V));
+  const bool penalised = s.penalties && (counts || extra.any_in(V));
   double* z = z_.get();
   int* idx = idx_.get();
   double* w = w_.get();
@@ -975,17 +965,7 @@ bool RowDistBuilder::build(
   // Sparse scans check validity themselves; the dense path reads it from
   // the range of the transform.
   const int sparse = kk < V
-      ? sparse_top_k(
-            logits,
-            dtype,
-            counts,
-            extra0,
-            extra1,
-            s,
-            kk,
-            penalised,
-            penalty_base,
-            n)
+      ? sparse_top_k(logits, dtype, counts, extra, s, kk, penalised, prefix, n)
       : 0;
   if (sparse < 0) {
     return false;
@@ -994,39 +974,18 @@ bool RowDistBuilder::build(
     dense = false;
   } else {
     RowSampler sp = s;
-    sp.penalties = penalised;
+    sp.penalties = penalised && counts;
     const double t = greedy ? 1.0 : s.temperature;
     ZRange r;
     if (dtype == mx::float32) {
       r = transform_f32(
-          static_cast<const uint32_t*>(logits),
-          V,
-          counts,
-          extra0,
-          extra1,
-          sp,
-          t,
-          z);
+          static_cast<const uint32_t*>(logits), V, counts, sp, t, z);
     } else if (dtype == mx::float16) {
       r = transform_f16(
-          static_cast<const uint16_t*>(logits),
-          V,
-          counts,
-          extra0,
-          extra1,
-          sp,
-          t,
-          z);
+          static_cast<const uint16_t*>(logits), V, counts, sp, t, z);
     } else {
       r = transform_bf16(
-          static_cast<const uint16_t*>(logits),
-          V,
-          counts,
-          extra0,
-          extra1,
-          sp,
-          t,
-          z);
+          static_cast<const uint16_t*>(logits), V, counts, sp, t, z);
     }
     // The transform maps NaN to NaN, +Inf to +Inf, -Inf to -Inf and finite
     // logits to finite values (penalties and 1/T cannot overflow a double
@@ -1036,6 +995,34 @@ bool RowDistBuilder::build(
       return false;
     }
     zmax = r.max;
+    if (penalised && extra.any_in(V)) {
+      // The extra tokens' occurrences, patched into their few entries (a
+      // compare per extra and logit would slow the scan for every row).
+      bool rescan = false;
+      for (int e = 0; e < extra.n; ++e) {
+        const int64_t tok = extra.ids[e];
+        if (tok < 0 || tok >= V || extra.first_index(tok) != e) {
+          continue;
+        }
+        const int c = penalty_count(counts ? counts[tok] : 0, extra.count(tok));
+        const double l = penalised_logit<double>(
+            logit_at(logits, dtype, int(tok)),
+            c,
+            s.presence,
+            s.frequency,
+            s.repetition);
+        rescan |= z[tok] == zmax;
+        z[tok] = l / t;
+        zmax = z[tok] > zmax ? z[tok] : zmax;
+      }
+      if (rescan) {
+        // The old maximum may have moved down: find the new one.
+        zmax = -kInf;
+        for (int i = 0; i < V; ++i) {
+          zmax = z[i] > zmax ? z[i] : zmax;
+        }
+      }
+    }
   }
   if (n > kk) {
     RadixSelect sel(z, dense ? nullptr : idx, nullptr, n);
@@ -1164,11 +1151,16 @@ int sample_residual(
     const RowDist& p,
     const RowDist& q,
     double u,
-    double* scratch) {
+    double* scratch,
+    bool renormalise) {
   if (!p.idx && !q.idx && p.n == q.n && scratch) {
     residual_dense(p.w, p.total, q.w, q.total, scratch, p.n);
     RowDist r{p.n, nullptr, scratch, lane_sum(scratch, p.n)};
-    return r.total > 0 ? sample_row(r, u) : sample_row(p, u);
+    if (!(r.total > 0)) {
+      return sample_row(p, u);
+    }
+    r.total = renormalise ? r.total : 1.0;
+    return sample_row(r, u);
   }
   double total = 0;
   for_each_union(p, q, [&](int, double wp, double wq) {
@@ -1179,7 +1171,7 @@ int sample_residual(
   if (!(total > 0)) {
     return sample_row(p, u);
   }
-  const double target = u * total;
+  const double target = renormalise ? u * total : u;
   double run = 0;
   int last = -1, pick = -1;
   for_each_union(p, q, [&](int t, double wp, double wq) {
@@ -1201,58 +1193,12 @@ int sample_residual(
 
 namespace mtplx {
 
-namespace {
-
-size_t row_bytes(const mx::array& a, int V) {
-  return size_t(V) * a.itemsize();
-}
-
-int64_t read_id(const mx::array& a, size_t i) {
-  return a.dtype() == mx::int32 ? int64_t(a.data<int32_t>()[i])
-                                : a.data<int64_t>()[i];
-}
-
-// Builders are kept per thread between evaluations: their V-sized buffers
-// would otherwise be faulted in afresh on every call.
-cpu::RowDistBuilder& cached_builder(int slot, int V) {
-  thread_local std::unique_ptr<cpu::RowDistBuilder> cache[2];
-  if (!cache[slot] || cache[slot]->vocab() != V) {
-    cache[slot] = std::make_unique<cpu::RowDistBuilder>(V);
-  }
-  return *cache[slot];
-}
-
-double uniform_at(const float* u, size_t i) {
-  return clamp_uniform<double>(double(u[i]), cpu::kOneBelow);
-}
-
-// Rough single-thread cost of building one distribution of a row of V
-// logits, in nanoseconds (measured on the development machine; only the
-// order of magnitude matters): a sparse top-k row is one vectorised scan,
-// about 2 us + 0.25 ns per logit; a dense row (top-k off or large) about
-// 12 ns per logit (transform, exp, selects).
-double build_cost_ns(const float* params, int V) {
-  const auto s = cpu::RowSampler::from_params(params);
-  const int kk = s.temperature > 0 ? top_k_length(s.top_k, V) : 1;
-  const bool sparse =
-      kk < V && kk <= cpu::RowDistBuilder::kSparseLimit && kk < V / 4;
-  return sparse ? 2000.0 + 0.25 * V : 12.0 * V;
-}
-
-// Threads for a job of `rows` independent rows costing `cost_ns` in all:
-// each thread beyond the first must get at least kMinThreadNs of work, so
-// jobs too small to pay for waking a worker never leave the caller's thread.
-int row_threads(int rows, double cost_ns) {
-  constexpr double kMinThreadNs = 30000.0;
-  const int configured = cpu::cpu_threads_or_one();
-  if (rows < 2 || configured < 2 || cost_ns < 2 * kMinThreadNs) {
-    return 1;
-  }
-  const double by_cost = cost_ns / kMinThreadNs;
-  return int(std::min<double>({double(configured), double(rows), by_cost}));
-}
-
-} // namespace
+using cpu::build_cost_ns;
+using cpu::cached_builder;
+using cpu::read_id;
+using cpu::row_bytes;
+using cpu::row_threads;
+using cpu::uniform_at;
 
 void SampleTokens::eval_cpu(
     const std::vector<mx::array>& inputs,
@@ -1287,8 +1233,8 @@ void SampleTokens::eval_cpu(
     // scratch of the thread that runs it.
     auto run_row = [&](int b) {
       cpu::RowDistBuilder& builder = cached_builder(0, V);
-      int64_t ex[2] = {-1, -1};
-      for (int e = 0; e < E && e < 2; ++e) {
+      int64_t ex[kMaxExtraTokens];
+      for (int e = 0; e < E && e < kMaxExtraTokens; ++e) {
         ex[e] = read_id(*extra, size_t(b) * E + e);
       }
       auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
@@ -1297,8 +1243,7 @@ void SampleTokens::eval_cpu(
           base + b * rb,
           dt,
           counts ? counts + size_t(b) * V : nullptr,
-          ex[0],
-          ex[1],
+          {ex, std::min(E, kMaxExtraTokens)},
           s,
           d);
       o[b] = ok ? cpu::sample_row(d, uniform_at(u, b)) : kInvalid;
@@ -1374,23 +1319,28 @@ void VerifySampled::eval_cpu(
         sq.temperature = 1.0;
       }
       cpu::RowDist p, q;
-      // p and q see the same counts and x0: q takes the tokens the
-      // penalties touch from p's build instead of scanning counts again.
-      if (!bp.build(v0, dt, c, x0, -1, sp, p) ||
-          !bq.build(dr, dt, c, x0, -1, sq, q, bp.penalty_base())) {
+      const int64_t ex[2] = {x0, d};
+      if (!bp.build(v0, dt, c, {ex, 1}, sp, p)) {
         return;
       }
-      const double pd = p.weight_of(int(d)) / p.total;
-      const double qd = q.weight_of(int(d)) / q.total;
+      // q sees the same counts and x0: it takes the tokens the penalties
+      // touch from p's build instead of scanning counts again. An unusable
+      // draft row (a broken head) is only a bad proposal: rejected, and the
+      // token drawn from p (acceptance probability 0 keeps the rule exact).
+      const bool q_ok = bq.build(dr, dt, c, {ex, 1}, sq, q, bp.penalty_seen(1));
       const double ua =
           uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
       const double ur =
           uniform_at(u, size_t(b) * kUniformCols + kUniformResample);
       // The bonus row must be usable too (as in verify_greedy); building
       // its distribution checks that, so only a rejection scans it apart.
-      if (accepts_draft<double>(ua, qd, pd)) {
+      if (q_ok &&
+          accepts_draft<double>(
+              ua,
+              q.weight_of(int(d)) / q.total,
+              p.weight_of(int(d)) / p.total)) {
         cpu::RowDist p1;
-        if (!bp.build(v1, dt, c, x0, d, s, p1, bq.penalty_base())) {
+        if (!bp.build(v1, dt, c, {ex, 2}, s, p1, bq.penalty_seen(1))) {
           return;
         }
         row[kColSecond] = int32_t(d);
@@ -1399,7 +1349,8 @@ void VerifySampled::eval_cpu(
             p1, uniform_at(u, size_t(b) * kUniformCols + kUniformBonus));
       } else if (cpu::row_valid(v1, dt, V)) {
         row[kColAccept] = 0;
-        row[kColSecond] = variant == SamplingVariant::kResidualFromTarget
+        row[kColSecond] =
+            (variant == SamplingVariant::kResidualFromTarget || !q_ok)
             ? cpu::sample_row(p, ur)
             : cpu::sample_residual(p, q, ur, bq.scratch());
       }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mlx/dtype.h"
+#include "mtplx_rules.h"
 
 namespace mtplx::cpu {
 
@@ -52,30 +53,70 @@ struct RowDist {
   double weight_of(int t) const;
 };
 
+// Token ids counted once more on top of the counts (x0 and the drafts of a
+// chain, up to kMaxExtraTokens); ids outside [0, V) count nothing.
+struct ExtraTokens {
+  const int64_t* ids = nullptr;
+  int n = 0;
+
+  // Occurrences of token t among the ids.
+  int count(int64_t t) const {
+    int c = 0;
+    for (int e = 0; e < n; ++e) {
+      c += int(ids[e] == t);
+    }
+    return c;
+  }
+  int first_index(int64_t t) const {
+    for (int e = 0; e < n; ++e) {
+      if (ids[e] == t) {
+        return e;
+      }
+    }
+    return -1;
+  }
+  bool any_in(int V) const {
+    for (int e = 0; e < n; ++e) {
+      if (ids[e] >= 0 && ids[e] < V) {
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+// The penalised tokens of an earlier build with the same counts (from
+// penalty_seen()) and how many leading extras it covered: saves a scan of
+// the counts.
+struct SeenPrefix {
+  const std::vector<int>* tokens = nullptr;
+  int n_extra = 0;
+};
+
 // Owns the buffers of one RowDist and the scratch used to build it.
 class RowDistBuilder {
  public:
   explicit RowDistBuilder(int vocab);
 
-  // Builds the distribution of one logits row (bits of `dtype`). `counts` may
-  // be null; `extra` lists up to two ids counted once more (-1: none).
-  // Returns false (and leaves the dist empty) when the row is unusable.
-  // `penalty_base`, when given, must be penalty_base() of an earlier build
-  // with the same counts and extra0: it saves a scan of counts.
+  // Builds the distribution of one logits row (bits of `dtype`). `counts`
+  // may be null; `extra` lists ids counted once more. Returns false (and
+  // leaves the dist empty) when the row is unusable. `prefix`, when given,
+  // must come from penalty_seen() of an earlier build with the same counts
+  // and the first prefix.n_extra of these extras.
   bool build(
       const void* logits,
       mx::Dtype dtype,
       const int32_t* counts,
-      int64_t extra0,
-      int64_t extra1,
+      const ExtraTokens& extra,
       const RowSampler& s,
       RowDist& out,
-      const std::vector<int>* penalty_base = nullptr);
+      const SeenPrefix& prefix = {});
 
-  // The tokens with a positive count plus extra0 (ascending, unique) as the
-  // last build found them, or null when it did not need them.
-  const std::vector<int>* penalty_base() const {
-    return base_valid_ ? &base_ : nullptr;
+  // The tokens with a positive count or among the extras (ascending,
+  // unique) as the last build found them, or null when it did not need
+  // them.
+  SeenPrefix penalty_seen(int n_extra) const {
+    return {seen_valid_ ? &seen_ : nullptr, n_extra};
   }
 
   // Rows whose top-k (or greedy pick) needs at most this many candidates
@@ -100,12 +141,11 @@ class RowDistBuilder {
       const void* logits,
       mx::Dtype dtype,
       const int32_t* counts,
-      int64_t extra0,
-      int64_t extra1,
+      const ExtraTokens& extra,
       const RowSampler& s,
       int k,
       bool penalised,
-      const std::vector<int>* penalty_base,
+      const SeenPrefix& prefix,
       int& n);
 
   // The first element (in order) where the cumulative weight reaches
@@ -121,8 +161,8 @@ class RowDistBuilder {
   std::unique_ptr<int[]> sel_a_, sel_b_; // radix select work lists
   std::vector<std::pair<int, int>> raw_; // (raw key, token) candidates
   std::vector<int> seen_; // tokens the penalties touch
-  std::vector<int> base_; // seen_ without extra1
-  bool base_valid_ = false;
+  std::vector<int> base_; // work copy of a prefix
+  bool seen_valid_ = false;
 };
 
 // Inverse CDF in vocabulary order: the first token whose cumulative weight
@@ -130,12 +170,14 @@ class RowDistBuilder {
 int sample_row(const RowDist& d, double u);
 
 // Draw from normalise(max(p/|p| - q/|q|, 0)), or from p when that is empty.
-// `scratch` (V doubles, or null) speeds up two dense rows.
+// `scratch` (V doubles, or null) speeds up two dense rows. `renormalise` =
+// false is a test-only broken rule (the residual's mass taken as 1).
 int sample_residual(
     const RowDist& p,
     const RowDist& q,
     double u,
-    double* scratch);
+    double* scratch,
+    bool renormalise = true);
 
 // Validity of a raw logits row under the shared rules (mtplx_rules.h).
 bool row_valid(const void* logits, mx::Dtype dtype, int V);

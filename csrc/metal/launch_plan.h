@@ -33,6 +33,27 @@ inline int verify_greedy_threads(int vocab, int max_threads) {
   return want < 32 ? 32 : (want > cap ? cap : want);
 }
 
+// ---- sampling and chain kernels ------------------------------------------
+
+// Host name of a sampling-style instantiation, e.g.
+// "verify_sampled_chain_float16_int64" (op, logits dtype, token dtype).
+inline std::string row_kernel(
+    const std::string& op,
+    const std::string& dtype,
+    bool tok64) {
+  return op + "_" + dtype + (tok64 ? "_int64" : "_int32");
+}
+
+// Threads per stream of the sampling kernels: they make many passes over
+// the row, so the widest threadgroup the pipeline allows (a multiple of 32,
+// <= 1024), no wider than the vocabulary needs.
+inline int sampling_threads(int vocab, int max_threads) {
+  int cap = (max_threads < 1024 ? max_threads : 1024) / 32 * 32;
+  int want = (vocab + 31) / 32 * 32;
+  want = want < cap ? want : cap;
+  return want < 32 ? 32 : want;
+}
+
 // ---- snapshot / restore ------------------------------------------------------
 
 // What the plan needs to know of one leaf.

@@ -5,29 +5,24 @@
 #include <string>
 
 #include "metal/device.h"
+#include "metal/launch_plan.h"
 #include "sampling_primitives.h"
 
 namespace mtplx {
 
 namespace {
 
-// Threads per stream: the kernels make many passes over the row, so use the
-// widest threadgroup the pipeline allows (a multiple of 32, <= 1024).
-int sampling_threads(int vocab, int max_threads) {
-  int cap = std::min(max_threads, 1024) / 32 * 32;
-  int want = (vocab + 31) / 32 * 32;
-  return std::max(32, std::min(cap, want));
+std::string dtype_name(mx::Dtype logits) {
+  return logits == mx::float32
+      ? "float32"
+      : (logits == mx::float16 ? "float16" : "bfloat16");
 }
 
 std::string sampling_kernel(
     const char* op,
     mx::Dtype logits,
     mx::Dtype tokens) {
-  std::string d = logits == mx::float32
-      ? "float32"
-      : (logits == mx::float16 ? "float16" : "bfloat16");
-  return std::string(op) + "_" + d +
-      (tokens == mx::int64 ? "_int64" : "_int32");
+  return metal::row_kernel(op, dtype_name(logits), tokens == mx::int64);
 }
 
 } // namespace
@@ -51,7 +46,7 @@ void SampleTokens::eval_gpu(
       sampling_kernel(
           "sample_tokens", logits.dtype(), extra ? extra->dtype() : mx::int32));
   const int threads =
-      sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
+      metal::sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(kernel);
   enc.set_input_array(logits, 0);
@@ -82,7 +77,7 @@ void VerifySampled::eval_gpu(
   auto* kernel = metal::get_kernel(
       d, sampling_kernel("verify_sampled", vl.dtype(), tokens.dtype()));
   const int threads =
-      sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
+      metal::sampling_threads(V, int(kernel->maxTotalThreadsPerThreadgroup()));
   auto& enc = mx::metal::get_command_encoder(s);
   enc.set_compute_pipeline_state(kernel);
   enc.set_input_array(vl, 0);

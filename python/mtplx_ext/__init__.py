@@ -12,9 +12,9 @@ from mtplx_ext._abi import check_extension as _check_extension  # noqa: E402
 _check_extension()
 
 from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
-from mtplx_ext.verify import verify_greedy  # noqa: E402
+from mtplx_ext.verify import verify_greedy, verify_greedy_chain  # noqa: E402
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
-from mtplx_ext.sampled import sample_tokens, verify_sampled  # noqa: E402
+from mtplx_ext.sampled import sample_tokens, verify_sampled, verify_sampled_chain  # noqa: E402
 from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
 from mtplx_ext.compiled_step import CompiledStep  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
@@ -62,7 +62,9 @@ __all__ = [
     "SamplerConfig",
     "sample_tokens",
     "verify_sampled",
+    "verify_sampled_chain",
     "restore_state",
     "snapshot_state",
     "verify_greedy",
+    "verify_greedy_chain",
 ]

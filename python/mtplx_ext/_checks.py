@@ -26,6 +26,17 @@ def require_logits(name: str, value: object, ndim: int) -> mx.array:
     return a
 
 
+def require_chain_logits(name: str, value: object, max_drafts: int) -> tuple[mx.array, int]:
+    """Checks [B, K + 1, V] logits of a depth-K chain; returns them and K."""
+    a = require_logits(name, value, 3)
+    K = a.shape[1] - 1
+    if not 1 <= K <= max_drafts:
+        raise ValueError(
+            f"{name} must have shape [B, K + 1, V] with K in [1, {max_drafts}], got {tuple(a.shape)}"
+        )
+    return a, K
+
+
 def require_kind(
     name: str, value: object, shape: tuple[int, ...], kind: mx.DtypeCategory, what: str
 ) -> mx.array:

@@ -1,4 +1,4 @@
-"""Fused sampled decoding primitives: sample_tokens and verify_sampled.
+"""Fused sampled decoding primitives: sample_tokens, verify_sampled, verify_sampled_chain.
 
 Both follow the sampler definition of `mtplx_ext.sampling` exactly (transform
 order, kept-set tie rules, inverse CDF, acceptance rule); that module's
@@ -26,12 +26,22 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext import _ext
-from mtplx_ext._checks import require_array, require_int_tokens, require_kind, require_logits
+from mtplx_ext._checks import (
+    require_array,
+    require_chain_logits,
+    require_int_tokens,
+    require_kind,
+    require_logits,
+)
 from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
 
 _ext._cpu_threads()  # validates MTPLX_CPU_THREADS up front (ValueError)
 
 SamplerArg = SamplerConfig | Sequence[SamplerConfig] | mx.array
+#: Most extra tokens sample_tokens counts (x0 and up to 7 chained drafts).
+_MAX_EXTRA = 8
+#: Most drafts of a chain (verify_sampled_chain).
+_MAX_CHAIN_DRAFTS = 8
 
 
 def sampler_params(sampler: SamplerArg, batch: int) -> mx.array:
@@ -81,9 +91,9 @@ def sample_tokens(
             per-row key so that rows are reproducible on their own).
         sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
         token_counts: optional [B, V] integer counts the penalties see.
-        extra_tokens: optional [B, E] ids (E <= 2) counted once more on top
-            of `token_counts` (e.g. x0 when sampling the MTP draft); ids
-            outside [0, V) such as -1 count nothing.
+        extra_tokens: optional [B, E] ids (E <= 8) counted once more on top
+            of `token_counts` (e.g. x0, d_1..d_{i-1} when sampling the i-th
+            chained draft); ids outside [0, V) such as -1 count nothing.
         stream: MLX stream or device to run on.
 
     Returns:
@@ -97,9 +107,9 @@ def sample_tokens(
     extra = None
     if extra_tokens is not None:
         extra = require_array("extra_tokens", extra_tokens)
-        if extra.ndim != 2 or extra.shape[0] != B or extra.shape[1] > 2:
+        if extra.ndim != 2 or extra.shape[0] != B or extra.shape[1] > _MAX_EXTRA:
             raise ValueError(
-                f"extra_tokens must have shape [B, E] with B = {B} and E <= 2, "
+                f"extra_tokens must have shape [B, E] with B = {B} and E <= {_MAX_EXTRA}, "
                 f"got {tuple(extra.shape)}"
             )
         extra = require_int_tokens("extra_tokens", extra, tuple(extra.shape))
@@ -133,14 +143,17 @@ def verify_sampled(
         tokens: [B, 2] integer (x0, draft).
         uniforms: [B, 3] float (u_accept, u_resample, u_bonus).
         sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
-        token_counts: optional [B, V] integer counts before x0.
+        token_counts: optional [B, V] integer counts before x0 (negative
+            counts act as 0; counts saturate at 2**31 - 1).
         stream: MLX stream or device to run on.
 
     Returns:
         [B, 5] int32 bundle (x0, draft, second, accept, bonus): accept is 1 or
         0; bonus is -1 when the draft was rejected. accept is -1 (and second,
-        bonus -1) when a logits row holds NaN or +Inf or no finite value, or
-        when x0 or the draft lies outside [0, V).
+        bonus -1) when a verification row holds NaN or +Inf or no finite
+        value, or when x0 or the draft lies outside [0, V). An unusable
+        draft_logits row (a broken MTP head) rejects the draft, and second
+        is drawn from p.
     """
     vl = require_logits("verify_logits", verify_logits, 3)
     if vl.shape[1] != 2:
@@ -160,6 +173,64 @@ def verify_sampled(
     return _ext.verify_sampled(vl, dl, tok, u, params, counts, stream=stream)
 
 
+def verify_sampled_chain(
+    verify_logits: mx.array,
+    draft_logits: mx.array,
+    tokens: mx.array,
+    uniforms: mx.array,
+    sampler: SamplerArg,
+    token_counts: mx.array | None = None,
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+    _variant: int = 0,
+) -> mx.array:
+    """Exact speculative verification of K chained sampled drafts per stream.
+
+    Position i = 1..K: p_i from verify_logits[:, i-1] and q_i from
+    draft_logits[:, i-1], both with counts + x0 + d_1..d_{i-1}. d_i is
+    accepted when ``u_accept_i * q_i(d_i) < p_i(d_i)``, in order; the first
+    rejection commits a draw from normalise(max(p_i - q_i, 0)) with
+    u_resample; when all K are accepted the bonus is drawn from
+    verify_logits[:, K] (counts + x0 + d_1..d_K) with u_bonus. A draft
+    outside [0, V) or an unusable draft row is rejected and the token drawn
+    from p_i. See `mtplx_ext.sampling.sample_mtp_chain_row`.
+
+    Args:
+        verify_logits: [B, K + 1, V] logits of the verification forward of
+            [x0, d_1..d_K], K in 1..8.
+        draft_logits: [B, K, V] logits the drafts were sampled from, same
+            dtype.
+        tokens: [B, K + 1] integer (x0, d_1..d_K).
+        uniforms: [B, K + 2] float (u_accept_1..u_accept_K, u_resample,
+            u_bonus).
+        sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
+        token_counts: optional [B, V] integer counts before x0 (negative
+            counts act as 0; counts saturate at 2**31 - 1).
+        stream: MLX stream or device to run on.
+        _variant: test-only deliberately broken rules (CPU); 0 is exact.
+
+    Returns:
+        [B, K + 3] int32 chain bundle: x0, n (accepted drafts), c_1..c_{K+1}
+        (c_j = -1 for j > n + 1). n = -1 (and every c -1) when x0 lies
+        outside [0, V) or a needed verification row (0..n) holds NaN or +Inf
+        or no finite value.
+    """
+    vl, K = require_chain_logits("verify_logits", verify_logits, _MAX_CHAIN_DRAFTS)
+    B, _, V = vl.shape
+    dl = require_logits("draft_logits", draft_logits, 3)
+    if tuple(dl.shape) != (B, K, V):
+        raise ValueError(f"draft_logits must have shape {(B, K, V)}, got {tuple(dl.shape)}")
+    if dl.dtype != vl.dtype:
+        raise TypeError(
+            f"draft_logits must have the dtype of verify_logits ({vl.dtype}), got {dl.dtype}"
+        )
+    tok = require_int_tokens("tokens", tokens, (B, K + 1))
+    u = _uniforms("uniforms", uniforms, (B, K + 2))
+    counts = _counts(token_counts, (B, V))
+    params = sampler_params(sampler, B)
+    return _ext.verify_sampled_chain(vl, dl, tok, u, params, counts, variant=_variant, stream=stream)
+
+
 def row_uniforms(keys: mx.array, n: int) -> mx.array:
     """[B, n] float32 uniforms, row b drawn from its own key ``keys[b]``.
 
@@ -176,4 +247,4 @@ def row_uniforms(keys: mx.array, n: int) -> mx.array:
     return mx.vmap(lambda k: mx.random.uniform(shape=(n,), key=k))(keys)
 
 
-__all__ = ["row_uniforms", "sample_tokens", "sampler_params", "verify_sampled"]
+__all__ = ["row_uniforms", "sample_tokens", "sampler_params", "verify_sampled", "verify_sampled_chain"]

@@ -47,6 +47,30 @@ the draft position's distribution counts ``x0`` once more, the bonus
 position's counts ``x0`` and the draft. On the device the counts travel as a
 [B, V] int32 array and the primitives add ``x0`` / the draft themselves.
 
+Penalty counts are clipped: a negative count acts as 0, and a count plus the
+occurrences inside the cycle saturates at ``2**31 - 1`` (the device counts
+are int32; wider counts are clipped into that range before they travel), so
+a huge count stays penalised instead of wrapping negative.
+
+Depth-K chains (``verify_greedy_chain`` / ``verify_sampled_chain``): one
+verification forward of ``[x0, d_1..d_K]`` (K = 1..8) checks K chained
+drafts. Greedy: with ``a_j`` the argmax of verification row ``j``, draft
+``d_i`` is accepted when ``d_i == a_{i-1}`` and every earlier draft was; with
+``n`` accepted drafts the commit is ``d_1..d_n, a_n``. Sampled (standard
+multi-draft speculative sampling): position ``i`` has the target ``p_i``
+(verification row ``i - 1``) and the draft distribution ``q_i`` (draft row
+``i - 1``), both with the counts plus ``x0, d_1..d_{i-1}``. In order, ``d_i``
+is accepted when ``u_accept_i * q_i(d_i) < p_i(d_i)``; at the first
+rejection the commit ends with a draw from ``normalise(max(p_i - q_i, 0))``
+(from ``p_i`` when that has no mass) with ``u_resample``; when all K are
+accepted it ends with a bonus drawn from ``p_{K+1}`` (row ``K``, counts plus
+``x0, d_1..d_K``) with ``u_bonus``. A draft outside ``[0, V)`` or a draft row
+that is unusable (NaN head) is rejected and the token drawn from ``p_i``
+(acceptance probability 0 keeps the rule exact). The row is invalid (``n =
+-1``) only when ``x0`` lies outside ``[0, V)`` or a verification row the
+chain needs (rows ``0..n``) is unusable. `greedy_chain_row` and
+`sample_mtp_chain_row` are the references.
+
 Numbers: the device takes sampler parameters and uniforms as float32; the
 reference rounds parameters to float32 too, so both use the same values.
 Uniforms are clamped to [0, 1): a value of 1 or more acts as the largest
@@ -167,14 +191,23 @@ def row_is_valid(logits: np.ndarray) -> bool:
     return bool(not np.isnan(x).any() and not np.isposinf(x).any() and np.isfinite(x).any())
 
 
+#: Largest penalty count: counts saturate here (int32 on the device).
+MAX_COUNT = 2**31 - 1
+
+
 def counts_with(
     token_counts: np.ndarray | None, vocab: int, extra: Sequence[int] = ()
 ) -> np.ndarray:
-    """Counts seen by a later position: `token_counts` plus the `extra` tokens."""
+    """Counts seen by a later position: `token_counts` plus the `extra` tokens.
+
+    Negative counts act as 0 and the sum saturates at `MAX_COUNT`, as on the
+    device.
+    """
     c = np.zeros(vocab, np.int64) if token_counts is None else np.asarray(token_counts, np.int64).copy()
+    c = np.clip(c, 0, MAX_COUNT)
     for t in extra:
         c[int(t)] += 1
-    return c
+    return np.minimum(c, MAX_COUNT)
 
 
 def penalised_logits(logits: np.ndarray, sampler: SamplerConfig, token_counts: np.ndarray | None) -> np.ndarray:
@@ -359,3 +392,82 @@ def sample_mtp_row_cycle(
         p1 = distribution_from_logits(verify_logits[1], sampler, counts_with(token_counts, V, (x0, draft)))
         bonus = sample_from(p1, uniforms[2])
     return RowCycle(accepted, second, bonus)
+
+
+def greedy_chain_row(verify_logits: np.ndarray, tokens: Sequence[int]) -> tuple[int, list[int]]:
+    """One stream's greedy depth-K chain, the reference for `verify_greedy_chain`.
+
+    Args:
+        verify_logits: [K + 1, V] logits of the verification forward at the
+            positions of x0, d_1..d_K.
+        tokens: (x0, d_1..d_K).
+
+    Returns:
+        (n, committed): n accepted drafts and the n + 1 committed tokens
+        d_1..d_n, argmax(row n); (-1, []) when x0 is outside [0, V) or a
+        needed row (0..n) is unusable.
+    """
+    lg = np.asarray(verify_logits, dtype=np.float64)
+    K, V = lg.shape[0] - 1, lg.shape[1]
+    if not 0 <= int(tokens[0]) < V:
+        return -1, []
+    committed: list[int] = []
+    for j in range(K + 1):
+        if not row_is_valid(lg[j]):
+            return -1, []
+        a = int(np.argmax(lg[j]))  # first maximum, as the kernels
+        if j == K or int(tokens[j + 1]) != a:
+            return j, committed + [a]
+        committed.append(a)
+    raise AssertionError("unreachable")
+
+
+def sample_mtp_chain_row(
+    verify_logits: np.ndarray,
+    draft_logits: np.ndarray,
+    tokens: Sequence[int],
+    sampler: SamplerConfig,
+    uniforms: Sequence[float],
+    token_counts: np.ndarray | None = None,
+) -> tuple[int, list[int]]:
+    """One stream's sampled depth-K chain, the reference for `verify_sampled_chain`.
+
+    Args:
+        verify_logits: [K + 1, V] logits of the verification forward at the
+            positions of x0, d_1..d_K.
+        draft_logits: [K, V] logits each draft was drawn from (row i - 1 for
+            d_i).
+        tokens: (x0, d_1..d_K).
+        sampler: sampler settings of this stream (target and drafts alike).
+        uniforms: (u_accept_1..u_accept_K, u_resample, u_bonus).
+        token_counts: [V] counts before x0, or None.
+
+    Returns:
+        (n, committed): n accepted drafts and the n + 1 committed tokens;
+        (-1, []) when x0 is outside [0, V) or a needed verification row is
+        unusable.
+    """
+    vl = np.asarray(verify_logits)
+    K, V = vl.shape[0] - 1, vl.shape[1]
+    toks = [int(t) for t in tokens]
+    if not 0 <= toks[0] < V:
+        return -1, []
+    committed: list[int] = []
+    for i in range(1, K + 1):
+        counts = counts_with(token_counts, V, toks[:i])
+        if not row_is_valid(vl[i - 1]):
+            return -1, []
+        p = distribution_from_logits(vl[i - 1], sampler, counts)
+        d = toks[i]
+        if not (0 <= d < V and row_is_valid(draft_logits[i - 1])):
+            # A bad proposal: rejected, the token drawn from p.
+            return i - 1, committed + [sample_from(p, uniforms[K])]
+        q = distribution_from_logits(draft_logits[i - 1], sampler, counts)
+        accepted, token = verify_one_token(p, q, d, uniforms[i - 1], uniforms[K])
+        committed.append(token)
+        if not accepted:
+            return i - 1, committed
+    if not row_is_valid(vl[K]):
+        return -1, []
+    p = distribution_from_logits(vl[K], sampler, counts_with(token_counts, V, toks))
+    return K, committed + [sample_from(p, uniforms[K + 1])]

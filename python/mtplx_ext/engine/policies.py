@@ -20,11 +20,10 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext import verify as verify_ops
 from mtplx_ext.engine import bundle as chain
-from mtplx_ext.sampled import sample_tokens, sampler_params, verify_sampled
+from mtplx_ext.sampled import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig
-from mtplx_ext.verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy
+from mtplx_ext.verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
 
 
 class TokenPolicy(Protocol):
@@ -70,10 +69,7 @@ class GreedyPolicy:
         return mx.argmax(head_logits, axis=-1).astype(mx.int32), None
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any = 0) -> mx.array:
-        fused = getattr(verify_ops, "verify_greedy_chain", None)
-        if fused is not None:
-            return fused(verify_logits, tokens)
-        return chain.greedy_chain_composed(verify_logits, tokens)
+        return verify_greedy_chain(verify_logits, tokens)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         pass
@@ -230,41 +226,7 @@ class SampledPolicy:
         u = mx.concatenate(
             accepts + [self._uniforms(step, [_CALL_RESAMPLE]), self._uniforms(step + 1, [_CALL_PICK])], axis=1
         )
-        from mtplx_ext import sampled as sampled_ops  # noqa: PLC0415
-
-        fused = getattr(sampled_ops, "verify_sampled_chain", None)
-        if fused is not None:
-            return fused(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
-        return self._chain_by_pairs(verify_logits, draft_info, tokens, u)
-
-    def _chain_by_pairs(self, logits: mx.array, draft_logits: mx.array, tokens: mx.array, u: mx.array) -> mx.array:
-        # The chain rule as K single-draft verifications: position i is a
-        # one-draft cycle whose "x0" is the token before d_i, with counts up
-        # to that token (the fused chain primitive does this in one pass).
-        B, T, V = logits.shape
-        K = T - 1
-        counts = self.counts
-        accepted, seconds, bonus = [], [], None
-        for i in range(1, K + 1):
-            pair = mx.stack([tokens[:, i - 1], tokens[:, i]], axis=1)
-            ui = mx.stack([u[:, i - 1], u[:, K], u[:, K + 1]], axis=1)
-            b = verify_sampled(logits[:, i - 1 : i + 1], draft_logits[:, i - 1], pair, ui, self._params, token_counts=counts)
-            accepted.append(b[:, COL_ACCEPT])
-            seconds.append(b[:, COL_SECOND])
-            bonus = b[:, 4]
-            if counts is not None and i < K:
-                counts = self._add(counts, tokens[:, i - 1])
-        acc = mx.stack(accepted, axis=1)
-        invalid = mx.any(acc < 0, axis=1)
-        n = mx.sum(mx.cumprod((acc == 1).astype(mx.int32), axis=1), axis=1)
-        d_ext = mx.concatenate([tokens[:, 1:], mx.full((B, 1), INVALID, mx.int32)], axis=1)
-        sec = mx.concatenate([mx.stack(seconds, axis=1), bonus[:, None]], axis=1)  # c_{n+1} candidates
-        pos = mx.arange(T, dtype=mx.int32)[None]
-        target = mx.take_along_axis(sec, n[:, None], axis=1)
-        c = mx.where(pos < n[:, None], d_ext, mx.where(pos == n[:, None], target, INVALID))
-        c = mx.where(invalid[:, None], INVALID, c)
-        n = mx.where(invalid, INVALID, n)
-        return mx.concatenate([tokens[:, :1].astype(mx.int32), n[:, None], c], axis=1).astype(mx.int32)
+        return verify_sampled_chain(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         """Counts x0 and c_1..c_count as generated; the next x0 is not counted yet."""

@@ -1,0 +1,229 @@
+// eval_cpu of VerifyGreedyChain and VerifySampledChain: depth-K chains of
+// drafts checked against one [B, K + 1] verification forward. Rows run on
+// the worker pool; each row reads its logits rows only as far as the chain
+// gets (python/mtplx_ext/sampling.py defines the rules).
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu/row_argmax.h"
+#include "cpu/row_jobs.h"
+#include "cpu/sampling.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mtplx_rules.h"
+#include "primitives.h"
+#include "sampling_primitives.h"
+
+namespace mtplx {
+
+namespace {
+
+cpu::RowArgmax argmax_row(const void* row, mx::Dtype dtype, int V) {
+  if (dtype == mx::float32) {
+    return cpu::row_argmax_f32(static_cast<const uint32_t*>(row), V);
+  } else if (dtype == mx::float16) {
+    return cpu::row_argmax_f16(static_cast<const uint16_t*>(row), V);
+  }
+  return cpu::row_argmax_bf16(static_cast<const uint16_t*>(row), V);
+}
+
+// Writes a finished chain into its bundle row: n = kInvalid leaves every
+// token column kInvalid.
+void write_chain(
+    int32_t* row,
+    int K,
+    int V,
+    int64_t x0,
+    int n,
+    const int32_t* c) {
+  row[kChainColX0] = (x0 >= 0 && x0 < V) ? int32_t(x0) : kInvalid;
+  row[kChainColAccepted] = n;
+  for (int j = 0; j <= K; ++j) {
+    row[kChainColFirst + j] = (n >= 0 && j <= n) ? c[j] : kInvalid;
+  }
+}
+
+// Rough cost of one argmax row scan (ns per logit), for the thread count.
+constexpr double kArgmaxNsPerLogit = 0.3;
+
+} // namespace
+
+void VerifyGreedyChain::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& logits = inputs[0];
+  auto& tokens = inputs[1];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  enc.set_input_array(logits);
+  enc.set_input_array(tokens);
+  enc.set_output_array(out);
+  enc.dispatch([logits = mx::array::unsafe_weak_copy(logits),
+                tokens = mx::array::unsafe_weak_copy(tokens),
+                out = mx::array::unsafe_weak_copy(out)]() mutable {
+    const int B = logits.shape(0);
+    const int T = logits.shape(1);
+    const int K = T - 1;
+    const int V = logits.shape(2);
+    const char* base = static_cast<const char*>(logits.data<void>());
+    const size_t rb = cpu::row_bytes(logits, V);
+    const mx::Dtype dt = logits.dtype();
+    int32_t* o = out.data<int32_t>();
+    auto run_row = [&](int b) {
+      const int64_t x0 = cpu::read_id(tokens, size_t(b) * T);
+      int32_t c[kMaxChainDrafts + 1];
+      int n = kInvalid;
+      if (x0 >= 0 && x0 < V) {
+        const char* r0 = base + size_t(b) * T * rb;
+        cpu::RowArgmax a = argmax_row(r0, dt, V);
+        n = a.valid ? 0 : kInvalid;
+        // Row i is read only once d_1..d_i all matched: a broken row past
+        // the first mismatch cannot affect the commit.
+        while (n >= 0 && n < K) {
+          const int64_t d = cpu::read_id(tokens, size_t(b) * T + n + 1);
+          if (d != a.index) {
+            break;
+          }
+          cpu::RowArgmax next = argmax_row(r0 + size_t(n + 1) * rb, dt, V);
+          if (!next.valid) {
+            n = kInvalid;
+            break;
+          }
+          c[n] = int32_t(d);
+          a = next;
+          ++n;
+        }
+        if (n >= 0) {
+          c[n] = a.index;
+        }
+      }
+      write_chain(o + size_t(b) * (K + 3), K, V, x0, n, c);
+    };
+    const double cost = double(B) * T * V * kArgmaxNsPerLogit;
+    cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
+  });
+}
+
+void VerifySampledChain::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream());
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  std::vector<mx::array> in;
+  for (auto& a : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  enc.dispatch([in = std::move(in),
+                out = mx::array::unsafe_weak_copy(out),
+                has_counts = has_counts_,
+                variant = variant_]() mutable {
+    auto& vl = in[0];
+    auto& dl = in[1];
+    auto& tokens = in[2];
+    const int B = vl.shape(0);
+    const int T = vl.shape(1);
+    const int K = T - 1;
+    const int V = vl.shape(2);
+    const int UC = K + 2;
+    const float* u = in[3].data<float>();
+    const float* params = in[4].data<float>();
+    const int32_t* counts = has_counts ? in[5].data<int32_t>() : nullptr;
+    const char* vbase = static_cast<const char*>(vl.data<void>());
+    const char* dbase = static_cast<const char*>(dl.data<void>());
+    const size_t rb = cpu::row_bytes(vl, V);
+    const mx::Dtype dt = vl.dtype();
+    int32_t* o = out.data<int32_t>();
+    auto run_row = [&](int b) {
+      // ex = (x0, d_1..d_K): position i counts its first i entries.
+      int64_t ex[kMaxExtraTokens];
+      for (int j = 0; j < T; ++j) {
+        ex[j] = cpu::read_id(tokens, size_t(b) * T + j);
+      }
+      const int64_t x0 = ex[0];
+      int32_t c[kMaxChainDrafts + 1];
+      int n = kInvalid;
+      const float* ur = u + size_t(b) * UC;
+      const int32_t* cr = counts ? counts + size_t(b) * V : nullptr;
+      const char* vrow = vbase + size_t(b) * T * rb;
+      const char* drow = dbase + size_t(b) * K * rb;
+      const auto s =
+          cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
+      if (x0 >= 0 && x0 < V) {
+        cpu::RowDistBuilder& bp = cpu::cached_builder(0, V);
+        cpu::RowDistBuilder& bq = cpu::cached_builder(1, V);
+        cpu::RowDist p, q;
+        // Penalised tokens of the previous q build (same counts, one extra
+        // fewer): saves p a scan of the counts.
+        cpu::SeenPrefix prev{};
+        n = 0;
+        for (int i = 1; i <= K; ++i) {
+          if (!bp.build(vrow + size_t(i - 1) * rb, dt, cr, {ex, i}, s, p, prev)) {
+            n = kInvalid;
+            break;
+          }
+          const int64_t d = ex[i];
+          // A draft outside the vocabulary or an unusable draft row is only
+          // a bad proposal: acceptance probability 0.
+          const bool q_ok = d >= 0 && d < V &&
+              bq.build(drow + size_t(i - 1) * rb,
+                       dt,
+                       cr,
+                       {ex, i},
+                       s,
+                       q,
+                       bp.penalty_seen(i));
+          prev = q_ok ? bq.penalty_seen(i) : cpu::SeenPrefix{};
+          double pd = q_ok ? p.weight_of(int(d)) / p.total : 0.0;
+          if (q_ok && variant == ChainVariant::kAcceptWithNextTarget) {
+            cpu::RowDistBuilder& bx = cpu::cached_builder(2, V);
+            cpu::RowDist px;
+            pd = bx.build(vrow + size_t(i) * rb, dt, cr, {ex, i}, s, px)
+                ? px.weight_of(int(d)) / px.total
+                : 0.0;
+          }
+          const double ua = cpu::uniform_at(ur, i - 1);
+          if (q_ok &&
+              accepts_draft<double>(ua, q.weight_of(int(d)) / q.total, pd)) {
+            c[i - 1] = int32_t(d);
+            n = i;
+            continue;
+          }
+          const double uq = cpu::uniform_at(ur, chain_uniform_resample(K));
+          c[i - 1] = q_ok
+              ? cpu::sample_residual(
+                    p,
+                    q,
+                    uq,
+                    bq.scratch(),
+                    variant != ChainVariant::kResidualUnnormalised)
+              : cpu::sample_row(p, uq);
+          break;
+        }
+        if (n == K) {
+          // Every draft accepted: the bonus from p_{K+1}.
+          const double ub = cpu::uniform_at(ur, chain_uniform_bonus(K));
+          const bool ok = variant == ChainVariant::kBonusFromDraft
+              ? bp.build(drow + size_t(K - 1) * rb, dt, cr, {ex, T}, s, p)
+              : bp.build(vrow + size_t(K) * rb, dt, cr, {ex, T}, s, p, prev);
+          if (ok) {
+            c[K] = cpu::sample_row(p, ub);
+          } else {
+            n = kInvalid;
+          }
+        }
+      }
+      write_chain(o + size_t(b) * (K + 3), K, V, x0, n, c);
+    };
+    double cost = 0; // up to K + 1 target rows and K draft rows
+    for (int b = 0; b < B; ++b) {
+      cost += (K + 2) * cpu::build_cost_ns(params + size_t(b) * kParamCols, V);
+    }
+    cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
+  });
+}
+
+} // namespace mtplx

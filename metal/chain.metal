@@ -1,0 +1,21 @@
+// Instantiations of the chain kernels. Host names:
+// verify_greedy_chain_<logits dtype>_<token dtype> and
+// verify_sampled_chain_<logits dtype>_<token dtype>, as csrc/metal/chain.cpp
+// builds them.
+#include "chain.h"
+
+#define instantiate_chain(dname, key, tname, tok)                             \
+  template [[host_name("verify_greedy_chain_" #dname "_" #tname)]] [[kernel]]  \
+  decltype(mtplx::verify_greedy_chain<mtplx::key, tok>)                        \
+      mtplx::verify_greedy_chain<mtplx::key, tok>;                             \
+  template [[host_name("verify_sampled_chain_" #dname "_" #tname)]] [[kernel]] \
+  decltype(mtplx::verify_sampled_chain<mtplx::key, tok>)                       \
+      mtplx::verify_sampled_chain<mtplx::key, tok>;
+
+#define instantiate_chain_tokens(dname, key) \
+  instantiate_chain(dname, key, int32, int)  \
+  instantiate_chain(dname, key, int64, long)
+
+instantiate_chain_tokens(float32, F32Key)
+instantiate_chain_tokens(float16, F16Key)
+instantiate_chain_tokens(bfloat16, BF16Key)
