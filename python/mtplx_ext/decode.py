@@ -47,6 +47,7 @@ import numpy as np
 from mlx_lm.generate import wired_limit
 
 from mtplx_ext import cache_state
+from mtplx_ext._checks import as_int, as_seed, as_seeds
 from mtplx_ext.compiled_step import CompiledStep
 from mtplx_ext.verify import (
     COL_ACCEPT,
@@ -729,10 +730,9 @@ def generate_batched(
     """
     vocab = int(runtime.vocab_size)
     prompts = _check_prompts(prompts, vocab)
-    if not _is_int(max_new_tokens):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    # Python ints from here on: a NumPy integer would break mx calls in compiled steps.
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
+    seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
     stop_ids = _check_stop_ids(stop_token_ids, vocab)
     if reject_mode not in REJECT_MODES:
         raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
