@@ -49,6 +49,10 @@ position's counts ``x0`` and the draft. On the device the counts travel as a
 
 Numbers: the device takes sampler parameters and uniforms as float32; the
 reference rounds parameters to float32 too, so both use the same values.
+Every float parameter must be 0 or, rounded to float32, a normal number
+(magnitude 1.1754944e-38 to 3.4028235e+38; `check_field`): past that range a
+value would round to Inf or 0 (or a subnormal, which Metal flushes) and
+silently mean something else, so SamplerConfig rejects it.
 Uniforms are clamped to [0, 1): a value of 1 or more acts as the largest
 double below 1, NaN or a negative value as 0.
 """
