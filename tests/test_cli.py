@@ -142,6 +142,15 @@ def test_folder_without_weights_or_config_is_a_one_line_error(tmp_path, capsys):
         (["generate", "--top-k", "-1"], "--top-k"),
         (["generate", "--temperature", "-0.1"], "--temperature"),
         (["generate", "--bogus"], "--bogus"),
+        # Past float32 or the kernels' ranges, and seeds outside [0, 2**64).
+        (["generate", "--temperature", "inf"], "--temperature"),
+        (["generate", "--temperature", "1e39"], "--temperature"),
+        (["generate", "--temperature", "1e-50"], "--temperature"),
+        (["generate", "--top-p", "1e-50"], "--top-p"),
+        (["generate", "--top-k", "99999999"], "--top-k"),
+        (["generate", "--seed", "-1"], "--seed"),
+        (["generate", "--seed", str(2**64)], "--seed"),
+        (["generate", "--seed", "1.5"], "--seed"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
@@ -150,6 +159,63 @@ def test_bad_flags_exit_2_naming_the_flag(argv, flag, capsys):
     assert e.value.code == 2
     _, err = capsys.readouterr()
     assert flag in err.splitlines()[-1]
+
+
+def test_prompt_that_is_not_utf8_is_a_one_line_error_naming_the_prompt(capsys, monkeypatch):
+    # Undecodable argv bytes reach Python as lone surrogates (os.fsdecode).
+    bad = os.fsdecode(b"def f(\xff\xfe):")
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("loaded the model before checking the prompt"))
+    assert cli.main(["generate", "import os", bad]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "prompt 1 is not UTF-8" in err and "0xff" in err
+
+
+@pytest.mark.parametrize("command", [["generate", "x", "--max-tokens", "2"], ["bench", "--tokens", "2"]])
+def test_closed_stdout_is_a_one_line_error_before_any_work(command, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("loaded the model with stdout closed"))
+    monkeypatch.setattr(sys, "stdout", None)  # what Python sets when fd 1 is closed at start
+    assert cli.main(command) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "standard output is closed" in err
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_full_stdout_is_a_one_line_error(capsys, monkeypatch):
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert cli.main(["generate", _random_prompt(random.Random()), "--max-tokens", "3", "--enforce-eager"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "mtplx-ext: error: cannot write to standard output: No space left on device"
+
+
+def test_stdout_reader_that_went_away_ends_the_command_quietly():
+    # As in `mtplx-ext generate ... | head -c 10`: writes to the pipe fail with EPIPE.
+    r, w = os.pipe()
+    os.close(r)
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "mtplx_ext.cli", "generate", "x", "--max-tokens", "8", "--enforce-eager"],
+            stdout=w, stderr=subprocess.PIPE, env=env, text=True, timeout=120,
+        )
+    finally:
+        os.close(w)
+    assert p.returncode == 141, p.stderr
+    assert "Traceback" not in p.stderr and "Error" not in p.stderr and "Exception" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_bench_output_path_that_cannot_be_written_fails_before_the_run(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("bench ran with an unwritable output path"))
+    for bad in (tmp_path / "no_such_folder" / "out", tmp_path):
+        assert cli.main(["bench", "--tokens", "2", flag, str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and flag in err and str(bad) in err and "cannot be written" in err
+    # A writable path is checked without leaving a file behind when the run then fails.
+    ok = tmp_path / "out"
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (_ for _ in ()).throw(cli.CLIError("stopped")))
+    assert cli.main(["bench", "--tokens", "2", flag, str(ok)]) == 2
+    assert "stopped" in capsys.readouterr().err and not ok.exists()
 
 
 def test_sampled_generate_is_reproducible_for_a_seed(capsys):

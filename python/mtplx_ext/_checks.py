@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
+import numpy as np
 
 LOGIT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -52,3 +55,66 @@ def require_kind(
 def require_int_tokens(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
     """Checks an integer token array of exactly `shape`."""
     return require_kind(name, value, shape, mx.integer, "an integer")
+
+
+#: Seeds are 64-bit words (two uint32 key words on the device).
+SEED_LIMIT = 2**64
+
+
+def is_int(value: object) -> bool:
+    """True for a Python or NumPy integer (bools are not counted as ints)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+    """`value` as a Python int, checked against [lo, hi).
+
+    Accepts Python and NumPy integers alike (a NumPy scalar handed on would
+    break MLX calls further down, e.g. inside a compiled step), so call this
+    where an argument enters the public API.
+
+    Raises:
+        TypeError: not an integer (floats, bools and strings included), naming `name`.
+        ValueError: outside [lo, hi), naming `name`.
+    """
+    if not is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v >= hi):
+        if hi is None:
+            want = f">= {lo}"
+        elif lo is None:
+            want = f"< {hi}"
+        else:
+            want = f"in [{lo}, {_pow2(hi)})"
+        raise ValueError(f"{name} must be an int {want}, got {v}")
+    return v
+
+
+def as_int_list(name: str, values: object, lo: int | None = None, hi: int | None = None) -> list[int]:
+    """A sequence (list, tuple, 1-D NumPy array) of ints as a list, each checked by `as_int`.
+
+    Raises:
+        TypeError: not such a sequence, or an entry that is no integer (named `name[i]`).
+        ValueError: an entry outside [lo, hi).
+    """
+    if isinstance(values, np.ndarray) and values.ndim == 1:
+        values = list(values)
+    if isinstance(values, (str, bytes, mx.array)) or not isinstance(values, Sequence):
+        raise TypeError(f"{name} must be a list of ints, got {type(values).__name__}")
+    return [as_int(f"{name}[{i}]", v, lo, hi) for i, v in enumerate(values)]
+
+
+def as_seed(name: str, value: object) -> int | None:
+    """A seed: None, or an int in [0, 2**64) (see `as_int`)."""
+    return None if value is None else as_int(name, value, 0, SEED_LIMIT)
+
+
+def as_seeds(name: str, values: object) -> list[int] | None:
+    """Per-stream seeds: None, or a sequence of ints in [0, 2**64) (see `as_int_list`)."""
+    return None if values is None else as_int_list(name, values, 0, SEED_LIMIT)
+
+
+def _pow2(n: int) -> str:
+    # 2**64 reads better than 18446744073709551616 in a one-line error.
+    return f"2**{n.bit_length() - 1}" if n > 1024 and n & (n - 1) == 0 else str(n)

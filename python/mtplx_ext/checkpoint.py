@@ -15,9 +15,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
 from mtplx_ext import models
+from mtplx_ext._checks import SEED_LIMIT, as_int
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import take_prefixed
 from mtplx_ext.runtime import MTPRuntime
@@ -279,7 +281,8 @@ def init_random(
         The runtime (no tokenizer).
 
     Raises:
-        ValueError: unknown model_type or head_layout.
+        ValueError: unknown model_type or head_layout, or a seed outside [0, 2**64).
+        TypeError: a seed that is not an int.
     """
     if model_type not in SMALL_CONFIGS:
         raise ValueError(
@@ -289,9 +292,11 @@ def init_random(
         head_layout = models.FAMILY_DEFAULT_LAYOUT.get(model_type, "qwen3_next")
     if head_layout is not None:
         models.layout_module(head_layout)
-    config = {**SMALL_CONFIGS[model_type], **config_overrides, "model_type": model_type}
+    # NumPy scalars as Python numbers: the config is saved as JSON.
+    overrides = {k: v.item() if isinstance(v, np.generic) else v for k, v in config_overrides.items()}
+    config = {**SMALL_CONFIGS[model_type], **overrides, "model_type": model_type}
     config["mtp_head_layout"] = head_layout
-    mx.random.seed(seed)
+    mx.random.seed(as_int("seed", seed, 0, SEED_LIMIT))
     runtime = build_runtime(config)
     # Unit-variance rows give logits with a spread of several nats on
     # RMS-normed hidden states, so random greedy decoding does not collapse.

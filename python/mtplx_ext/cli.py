@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -20,7 +21,8 @@ from typing import Any
 
 # The package import loads the fast BLAS before anything imports mlx.core.
 import mtplx_ext
-from mtplx_ext import _blas
+from mtplx_ext import _blas, sampling
+from mtplx_ext._checks import SEED_LIMIT, as_int
 
 SHIPPED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-mtp"
 EOS = "<|endoftext|>"
@@ -91,7 +93,65 @@ def _encode(tok: Any, prompts: list[str]) -> list[list[int]]:
     return ids
 
 
+def _check_prompt_text(texts: list[str]) -> None:
+    """Rejects prompts that are not UTF-8 (the tokenizer takes only valid text)."""
+    for i, t in enumerate(texts):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # Undecodable argv bytes arrive as lone surrogates (U+DC80..U+DCFF = byte 0x80..0xFF).
+            c = ord(t[e.start])
+            what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character U+{c:04X}"
+            raise CLIError(f"prompt {i} is not UTF-8 text: {what} at position {e.start}") from None
+
+
 # -- streaming output --------------------------------------------------------
+
+
+class StdoutError(CLIError):
+    """Standard output cannot be written (closed, full, an I/O error)."""
+
+
+class _Stdout:
+    """sys.stdout whose write errors become one-line CLI errors.
+
+    A broken pipe (the reader went away, as in `| head`) passes through as
+    BrokenPipeError: `main` then exits quietly, as other Unix tools do.
+    """
+
+    def __init__(self) -> None:
+        if sys.stdout is None:
+            raise StdoutError("standard output is closed")
+        self._out = sys.stdout
+
+    def _guard(self, fn, *args) -> Any:
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(f"cannot write to standard output: {e.strerror or e}") from None
+
+    def write(self, text: str) -> int:
+        return self._guard(self._out.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._out.flush)
+
+
+def _drop_stdout() -> None:
+    """Points fd 1 at the null device after a failed write to it.
+
+    The interpreter flushes stdout once more at exit; that flush would fail
+    again and print "Exception ignored" to stderr.
+    """
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
 
 
 class TextStreamer:
@@ -180,6 +240,9 @@ def mlx_kernel_cache_is_cold() -> bool:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    texts = args.prompt or [DEFAULT_PROMPT]
+    _check_prompt_text(texts)
+    out = _Stdout()
     if not args.enforce_eager and mlx_kernel_cache_is_cold():
         print(
             "first compiled decode on this machine: MLX builds its fused CPU kernels with the C++ compiler "
@@ -188,13 +251,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         )
     rt = load_model(args.model, need_mtp=not args.no_mtp)
     tok = _tokenizer(rt, args.model)
-    texts = args.prompt or [DEFAULT_PROMPT]
     prompts = _encode(tok, texts)
     if len(prompts) == 1:
         header = texts[0]
     else:
         header = "".join(f"[{i}] prompt: {t!r}\n" for i, t in enumerate(texts))
-    streamer = TextStreamer(tok, len(prompts), header=header)
+    streamer = TextStreamer(tok, len(prompts), out=out, header=header)
     res = _decode(rt, prompts, args, on_commit=streamer, stop=_stop_ids(tok))
     streamer.finish()
     per_stream = res.generated_tokens / len(prompts)
@@ -499,7 +561,24 @@ def write_plot(report: dict, path: str) -> str:
     return f"plot written to {path}"
 
 
+def _check_writable(flag: str, path: str) -> None:
+    """Fails now, not after the whole run, when `path` cannot be written."""
+    p = Path(path)
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        raise CLIError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
+    if not existed:
+        p.unlink()  # a run that fails later leaves no empty file behind
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            _check_writable(flag, path)
+    out = _Stdout()
     rt = load_model(args.model, need_mtp=True)
     tok = _tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
@@ -510,7 +589,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
-    print(format_table(report))
+    out.write(format_table(report) + "\n")
+    out.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}", file=sys.stderr)
@@ -522,30 +602,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
 # -- entry point -------------------------------------------------------------
 
 
-def _probability(name: str):
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if not 0.0 < v <= 1.0:
-            raise argparse.ArgumentTypeError(f"{name} must be in (0, 1], got {v}")
-        return v
+def _sampler_flag(flag: str, field: str, kind: type = float):
+    """A SamplerConfig field as a flag: the config's own check, the flag named."""
 
-    return parse
-
-
-def _non_negative(name: str, kind=float):
     def parse(text: str):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a non-negative {kind.__name__}, got {text!r}") from None
-        if not v >= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {v}")
-        return v
+            what = "an int" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{flag} must be {what}, got {text!r}") from None
+        try:
+            return sampling.check_field(field, v)
+        except (TypeError, ValueError) as e:
+            raise argparse.ArgumentTypeError(str(e).replace(f"SamplerConfig.{field}", flag, 1)) from None
 
     return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed must be an int, got {text!r}") from None
+    try:
+        return as_int("--seed", v, 0, SEED_LIMIT)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -556,10 +638,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="*", help=f"prompt texts (default: {DEFAULT_PROMPT!r})")
     g.add_argument("--model", help="model folder (default: the shipped model)")
     g.add_argument("--max-tokens", type=_positive("--max-tokens"), default=128)
-    g.add_argument("--temperature", type=_non_negative("--temperature"), default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=_probability("--top-p"), default=1.0)
-    g.add_argument("--top-k", type=_non_negative("--top-k", int), default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--temperature", type=_sampler_flag("--temperature", "temperature"), default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=_sampler_flag("--top-p", "top_p"), default=1.0)
+    g.add_argument("--top-k", type=_sampler_flag("--top-k", "top_k", int), default=0, help="0 = off")
+    g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
     g.set_defaults(func=cmd_generate)
@@ -583,14 +665,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `mtplx-ext`; returns the exit status."""
+    """Runs `mtplx-ext`; returns the exit status.
+
+    0 on success; 2 for a user error (one line on stderr: bad flags, model
+    folders, prompts, an unwritable output); 130 on Ctrl-C; 141 (as for a
+    process ended by SIGPIPE) without a message when the reader of stdout
+    goes away, as in `mtplx-ext generate ... | head`.
+    """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
     try:
         return args.func(args)
+    except BrokenPipeError:
+        _drop_stdout()
+        return 141
     except CLIError as e:
+        if isinstance(e, StdoutError):
+            _drop_stdout()
         print(f"mtplx-ext: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

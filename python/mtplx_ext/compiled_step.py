@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from mtplx_ext._checks import as_int
 from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
 
 
@@ -93,7 +94,7 @@ class CompiledStep:
                 raise ValueError(f"holder {type(obj).__name__}.{name} is not an mx.array")
         self._holders = list(holders)
         self._fn = fn
-        self._grow_step = max(1, int(grow_step))
+        self._grow_step = as_int("grow_step", grow_step, lo=1)
         self.traces = 0
         self._n_out = 0
         self._tuple_out = False
@@ -144,6 +145,7 @@ class CompiledStep:
 
     def reserve(self, slots: int) -> None:
         """Grows the caches, if needed, so that every stream has `slots` slots."""
+        slots = as_int("slots", slots, lo=0)
         for p in self._positions:
             if slots > p.capacity:
                 grown = p.capacity + self._grow_step * -(-(slots - p.capacity) // self._grow_step)

@@ -26,9 +26,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mtplx_ext import _ext
-from mtplx_ext._checks import LOGIT_DTYPES, require_array
+from mtplx_ext._checks import LOGIT_DTYPES, as_int, is_int, require_array
 from mtplx_ext.models.base import ZeroCentredRMSNorm
 
 StreamLike = mx.Stream | mx.Device | None
@@ -44,7 +45,8 @@ def _require_float(name: str, value: object) -> mx.array:
 
 
 def _require_number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # NumPy scalars too (np.float32 is no Python float); bools are no numbers.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
     return float(value)
 
@@ -118,8 +120,7 @@ def rope(
         ValueError: bad shapes, dims or base.
     """
     x = _require_float("x", x)
-    if isinstance(dims, bool) or not isinstance(dims, int):
-        raise TypeError(f"dims must be an int, got {type(dims).__name__}")
+    dims = as_int("dims", dims)
     if not isinstance(traditional, bool):
         raise TypeError(f"traditional must be a bool, got {type(traditional).__name__}")
     base = _require_number("base", base)
@@ -127,10 +128,12 @@ def rope(
     if isinstance(offset, mx.array):
         if not mx.issubdtype(offset.dtype, mx.integer):
             raise TypeError(f"offset must have an integer dtype, got {offset.dtype}")
-    elif isinstance(offset, bool) or not isinstance(offset, int):
+    elif not is_int(offset):
         raise TypeError(f"offset must be an int or an mx.array, got {type(offset).__name__}")
     elif not _INT32_MIN <= offset <= _INT32_MAX:
         raise ValueError(f"offset must fit in int32, got {offset}")
+    else:
+        offset = int(offset)
     return _ext.rope(
         x, dims, traditional=traditional, base=base, scale=scale, offset=offset, stream=stream
     )

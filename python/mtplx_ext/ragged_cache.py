@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from mtplx_ext._checks import as_int
+
 
 class RaggedPositions:
     """Per-stream end slots shared by the layers of one cache list.
@@ -41,8 +43,7 @@ class RaggedPositions:
     """
 
     def __init__(self, left_padding: list[int], capacity: int | None = None):
-        if capacity is not None and capacity < 1:
-            raise ValueError(f"capacity must be a positive slot count or None, got {capacity}")
+        capacity = None if capacity is None else as_int("capacity", capacity, lo=1)
         self.left_padding = mx.array(left_padding, dtype=mx.int32)
         self.ends = mx.zeros((len(left_padding),), dtype=mx.int32)
         self.capacity = capacity

@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtplx_ext._checks import as_int, as_int_list
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 
@@ -25,12 +26,15 @@ def _check_tokens(name: str, tokens: object) -> mx.array:
 
 
 def _check_left_padding(left_padding: object) -> list[int]:
-    if isinstance(left_padding, (str, bytes)) or not hasattr(left_padding, "__len__"):
-        raise TypeError("left_padding must be a list of non-negative ints")
-    pads = [int(p) for p in left_padding]
-    if not pads or any(p < 0 for p in pads):
-        raise ValueError(f"left_padding must be a non-empty list of ints >= 0, got {left_padding!r}")
+    # int(p) would truncate 1.5 silently: only ints (NumPy's too) pass.
+    pads = as_int_list("left_padding", left_padding, lo=0)
+    if not pads:
+        raise ValueError("left_padding is empty: give one pad count per stream")
     return pads
+
+
+def _check_capacity(capacity: object) -> int | None:
+    return None if capacity is None else as_int("capacity", capacity, lo=1)
 
 
 class MTPRuntime(nn.Module):
@@ -123,14 +127,16 @@ class MTPRuntime(nn.Module):
             `BatchKVCache` (or `RaggedKVCache`) for attention layers,
             `ArraysCache(2, left_padding=...)` for recurrent layers.
         """
-        return trunk_lib.make_trunk_cache(self.trunk, _check_left_padding(left_padding), ragged, capacity)
+        return trunk_lib.make_trunk_cache(
+            self.trunk, _check_left_padding(left_padding), ragged, _check_capacity(capacity)
+        )
 
     def make_head_cache(self, left_padding: list[int], ragged: bool = False, capacity: int | None = None) -> list:
         """Batch-aware caches for the head's attention layer(s) (see `make_cache`)."""
         pads = _check_left_padding(left_padding)
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
-        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, capacity)
+        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, _check_capacity(capacity))
 
     @property
     def has_recurrent_layers(self) -> bool:

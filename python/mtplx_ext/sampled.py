@@ -27,6 +27,7 @@ import numpy as np
 
 from mtplx_ext import _ext
 from mtplx_ext._checks import (
+    as_int,
     require_array,
     require_chain_logits,
     require_int_tokens,
@@ -55,7 +56,18 @@ def sampler_params(sampler: SamplerArg, batch: int) -> mx.array:
 
     Returns:
         [B, 7] float32 mx.array.
+
+    Raises:
+        TypeError: `sampler` is none of these (None included).
+        ValueError: a wrong shape or number of configs.
     """
+    if isinstance(sampler, (str, bytes)) or not (
+        isinstance(sampler, (SamplerConfig, mx.array)) or hasattr(sampler, "__iter__")
+    ):
+        raise TypeError(
+            "sampler must be a SamplerConfig, a list of B of them or a packed [B, 7] float array, "
+            f"got {type(sampler).__name__}"
+        )
     if isinstance(sampler, mx.array):
         want = (batch, len(PARAM_COLUMNS))
         if tuple(sampler.shape) != want:
@@ -68,6 +80,12 @@ def sampler_params(sampler: SamplerArg, batch: int) -> mx.array:
 
 def _uniforms(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
     return require_kind(name, value, shape, mx.floating, "a floating")
+
+
+def _require_rows(name: str, a: mx.array) -> None:
+    # Before packing the sampler: B = 0 would otherwise fail deep in NumPy.
+    if a.shape[0] < 1:
+        raise ValueError(f"{name} must have at least one row (B >= 1), got shape {tuple(a.shape)}")
 
 
 def _counts(value: object | None, shape: tuple[int, int]) -> mx.array | None:
@@ -102,6 +120,7 @@ def sample_tokens(
     """
     lg = require_logits("logits", logits, 2)
     B, V = lg.shape
+    _require_rows("logits", lg)
     u = _uniforms("uniforms", uniforms, (B,))
     counts = _counts(token_counts, (B, V))
     extra = None
@@ -159,6 +178,7 @@ def verify_sampled(
     if vl.shape[1] != 2:
         raise ValueError(f"verify_logits must have shape [B, 2, V], got {tuple(vl.shape)}")
     B, _, V = vl.shape
+    _require_rows("verify_logits", vl)
     dl = require_logits("draft_logits", draft_logits, 2)
     if tuple(dl.shape) != (B, V):
         raise ValueError(f"draft_logits must have shape {(B, V)}, got {tuple(dl.shape)}")
@@ -244,6 +264,7 @@ def row_uniforms(keys: mx.array, n: int) -> mx.array:
     keys = require_array("keys", keys)
     if keys.ndim != 2 or keys.shape[1] != 2:
         raise ValueError(f"keys must have shape [B, 2], got {tuple(keys.shape)}")
+    n = as_int("n", n, lo=0)
     return mx.vmap(lambda k: mx.random.uniform(shape=(n,), key=k))(keys)
 
 

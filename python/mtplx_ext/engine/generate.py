@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import wired_limit
 
+from mtplx_ext._checks import as_int, as_seed, as_seeds, is_int
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.loop import run_cycles
@@ -21,10 +22,6 @@ from mtplx_ext.engine.streams import OnCommit, Streams
 REJECT_MODES = ("repair", "reforward")
 #: Drafts per cycle a decode may ask for.
 MAX_DEPTH = 8
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
@@ -42,7 +39,7 @@ def check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
         if len(p) == 0:
             raise ValueError(f"prompts[{i}] is empty")
         for j, t in enumerate(p):
-            if not _is_int(t):
+            if not is_int(t):
                 raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__}")
             if not 0 <= t < vocab_size:
                 raise ValueError(f"prompts[{i}][{j}] = {t} is outside the vocabulary [0, {vocab_size})")
@@ -55,7 +52,7 @@ def check_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
         raise TypeError("stop_token_ids must be a collection of int token ids")
     ids = list(stop_token_ids)
     for t in ids:
-        if not _is_int(t):
+        if not is_int(t):
             raise TypeError(f"stop_token_ids must hold int token ids, got {t!r}")
         if not 0 <= t < vocab_size:
             raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
@@ -63,11 +60,7 @@ def check_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
 
 
 def check_depth(depth: object) -> int:
-    if not _is_int(depth):
-        raise TypeError(f"depth must be an int in 1..{MAX_DEPTH}, got {type(depth).__name__}")
-    if not 1 <= int(depth) <= MAX_DEPTH:
-        raise ValueError(f"depth must be in 1..{MAX_DEPTH}, got {depth}")
-    return int(depth)
+    return as_int("depth", depth, lo=1, hi=MAX_DEPTH + 1)
 
 
 def generate_batched(
@@ -130,11 +123,9 @@ def generate_batched(
     """
     vocab = int(runtime.vocab_size)
     prompts = check_prompts(prompts, vocab)
-    if not _is_int(max_new_tokens):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    max_new_tokens = int(max_new_tokens)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    # Python ints from here on: a NumPy integer would break mx calls in compiled steps.
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
+    seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
     stop_ids = check_stop_ids(stop_token_ids, vocab)
     depth = check_depth(depth)
     if reject_mode not in REJECT_MODES:

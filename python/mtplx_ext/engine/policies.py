@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 import numpy as np
 
+from mtplx_ext._checks import as_seed, as_seeds
 from mtplx_ext.engine import bundle as chain
 from mtplx_ext.sampled import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig
@@ -125,14 +126,8 @@ class SampledPolicy:
                 raise ValueError("sampler is an empty list: give one SamplerConfig per stream")
             self._configs = configs
             self._shared = None
-        if row_seeds is not None:
-            row_seeds = [int(x) for x in row_seeds]
-            if any(not 0 <= x < 2**64 for x in row_seeds):
-                raise ValueError("row_seeds must be ints in [0, 2**64)")
-        if seed is not None and not 0 <= int(seed) < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64), got {seed}")
-        self._seed = seed
-        self._row_seeds = row_seeds
+        self._seed = as_seed("seed", seed)
+        self._row_seeds = as_seeds("row_seeds", row_seeds)
         self._ready = False
         # Device state (checkpointed by the pipelined loop with the caches).
         self.counts: mx.array | None = None
