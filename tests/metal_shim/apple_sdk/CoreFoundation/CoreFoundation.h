@@ -1,0 +1,5 @@
+// Declarations-only stand-in for <CoreFoundation/CoreFoundation.h>.
+#pragma once
+
+typedef double CFTimeInterval;
+typedef const void* CFTypeRef;

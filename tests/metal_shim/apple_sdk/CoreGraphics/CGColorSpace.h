@@ -1,0 +1,4 @@
+// Declarations-only stand-in for <CoreGraphics/CGColorSpace.h>.
+#pragma once
+
+typedef struct CGColorSpace* CGColorSpaceRef;

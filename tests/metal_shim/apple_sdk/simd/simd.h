@@ -1,0 +1,2 @@
+// Stand-in for <simd/simd.h>: the vector types metal-cpp names.
+#pragma once
