@@ -17,6 +17,7 @@ for byte, the source that the shim compile and the threadgroup emulator run.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import stat
@@ -110,6 +111,11 @@ def glue_objects(compile_glue, tmp_path_factory) -> dict[str, tuple[subprocess.C
 
 def test_csrc_metal_has_glue():
     assert GLUE_FILES, "no csrc/metal/*.cpp found"
+
+
+def test_checked_macos_wheel_is_the_mlx_this_code_builds_against():
+    # The wheel is chosen by the macOS pin; it must be the MLX installed here.
+    assert mw.mlx_version() == importlib.metadata.version("mlx")
 
 
 @pytest.mark.parametrize("vid", [v[0] for v in GLUE_VARIANTS])

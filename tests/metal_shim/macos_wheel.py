@@ -16,7 +16,6 @@ by default ``build/macos-wheel/`` in the repository.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import os
 import re
 import shutil
@@ -48,12 +47,21 @@ def wheel_dir() -> Path:
 
 
 def mlx_version() -> str:
-    """The installed MLX version (the project pins it exactly)."""
-    return importlib.metadata.version("mlx")
+    """The MLX version macOS builds pin (pyproject.toml), without needing MLX.
+
+    Raises:
+        RuntimeError: no macOS pin, or pins that disagree.
+    """
+    text = (REPO / "pyproject.toml").read_text()
+    pins = set(re.findall(r"\"mlx==([\w.]+);\s*sys_platform\s*==\s*'darwin'\"", text))
+    if len(pins) != 1:
+        raise RuntimeError(f"pyproject.toml: expected one macOS pin of mlx, found {sorted(pins)}")
+    return pins.pop()
 
 
 def find_wheel(version: str | None = None, folder: Path | None = None) -> Path | None:
-    """The cached mlx-metal macOS arm64 wheel of `version`, or None."""
+    """The cached mlx-metal macOS arm64 wheel of `version` (default: the
+    pinned one), or None."""
     version = version or mlx_version()
     folder = folder or wheel_dir()
     hits = sorted(folder.glob(f"mlx_metal-{version}-*-macosx_*_arm64.whl"))

@@ -2,4 +2,3 @@
 #pragma once
 
 typedef double CFTimeInterval;
-typedef const void* CFTypeRef;

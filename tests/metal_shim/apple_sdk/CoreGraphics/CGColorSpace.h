@@ -1,4 +1,0 @@
-// Declarations-only stand-in for <CoreGraphics/CGColorSpace.h>.
-#pragma once
-
-typedef struct CGColorSpace* CGColorSpaceRef;

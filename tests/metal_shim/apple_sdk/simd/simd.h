@@ -1,2 +1,0 @@
-// Stand-in for <simd/simd.h>: the vector types metal-cpp names.
-#pragma once
