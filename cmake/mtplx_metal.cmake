@@ -67,3 +67,34 @@ function(mtplx_embed_metal out_var)
       "${out}"
       PARENT_SCOPE)
 endfunction()
+
+# The Metal kernels of a macOS build of `target` (the extension module).
+#   MODE          AUTO, METALLIB or EMBED (see above)
+#   METAL_DIR     folder of the *.metal files
+#   INCLUDE_DIRS  where their includes are found (metal/ and MLX's)
+# METALLIB needs MLX's mlx_build_metallib; EMBED adds the generated source
+# to the target and defines MTPLX_METAL_EMBEDDED for the eval_gpu glue.
+function(mtplx_metal_kernels target)
+  cmake_parse_arguments(ARG "" "MODE;METAL_DIR" "INCLUDE_DIRS" ${ARGN})
+  mtplx_metal_mode(mode "${ARG_MODE}")
+  message(STATUS "mtplx_ext Metal kernels: ${mode}")
+  if(mode STREQUAL "METALLIB")
+    file(GLOB metal_sources CONFIGURE_DEPENDS "${ARG_METAL_DIR}/*.metal")
+    file(GLOB metal_headers CONFIGURE_DEPENDS "${ARG_METAL_DIR}/*.h")
+    mlx_build_metallib(
+      TARGET mtplx_metallib
+      TITLE mtplx_ext
+      SOURCES ${metal_sources}
+      INCLUDE_DIRS ${ARG_INCLUDE_DIRS}
+      DEPS ${metal_headers}
+      OUTPUT_DIRECTORY ${CMAKE_CURRENT_BINARY_DIR})
+    add_dependencies(${target} mtplx_metallib)
+    install(FILES ${CMAKE_CURRENT_BINARY_DIR}/mtplx_ext.metallib
+            DESTINATION mtplx_ext)
+  else()
+    mtplx_embed_metal(cpp METAL_DIR "${ARG_METAL_DIR}" INCLUDE_DIRS
+                      ${ARG_INCLUDE_DIRS})
+    target_sources(${target} PRIVATE "${cpp}")
+    target_compile_definitions(${target} PRIVATE MTPLX_METAL_EMBEDDED=1)
+  endif()
+endfunction()

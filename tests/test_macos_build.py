@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,17 +86,17 @@ def exports(mac_sdk) -> set[str]:
 
 @pytest.fixture(scope="session")
 def compile_glue(mac_sdk, tmp_path_factory):
-    """compile(src, obj, defines) for the macOS build, through one
-    precompiled header of MLX's Metal headers."""
+    """run_compile(src, obj, defines): one glue compile for the macOS build,
+    through a precompiled header of MLX's Metal headers."""
     pch = mw.precompile_mlx_metal(
         emulator.clang(), mac_sdk, tmp_path_factory.mktemp("pch") / "mlx_metal"
     )
 
-    def compile(src: Path, obj: Path, defines: list[str] = ()):
+    def run_compile(src: Path, obj: Path, defines: Sequence[str] = ()):
         cmd = mw.glue_compile_cmd(emulator.clang(), mac_sdk, src, obj, defines, pch)
         return subprocess.run(cmd, capture_output=True, text=True)
 
-    return compile
+    return run_compile
 
 
 @pytest.fixture(scope="session")
@@ -265,53 +267,91 @@ def test_unknown_kernel_mode_is_an_error_naming_the_option(tmp_path):
     assert res.returncode != 0 and "MTPLX_METAL_KERNELS" in res.stderr
 
 
+def _configure(root: Path, lists: str, *extra: str) -> tuple[Path, str]:
+    """Configures a CMake project; returns its build folder and output."""
+    (root / "CMakeLists.txt").write_text(textwrap.dedent(lists))
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    build = root / "build"
+    cmd = [_cmake(), "-S", str(root), "-B", str(build), *gen, *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return build, res.stdout
+
+
+def _metal_dirs() -> str:
+    # The include directories CMakeLists.txt passes: metal/ and MLX's.
+    return f'"{REPO / "metal"}" "{Path(mlx.__path__[0]) / "include"}"'
+
+
 @pytest.fixture(scope="module")
 def cmake_embedded_source(tmp_path_factory) -> bytes:
     """The kernel string a macOS EMBED build compiles in, read back.
 
-    A small CMake project calls the build's own rule (mtplx_embed_metal, with
-    the include directories CMakeLists.txt passes: metal/ and MLX's), builds
-    the generated C++ file into a program and prints the string.
+    A small CMake project hands a program to the build's own rule
+    (mtplx_metal_kernels in EMBED mode, as CMakeLists.txt calls it for the
+    extension), builds it and runs it: it prints the embedded string.
     """
     cxx = emulator.clang()
     if _cmake() is None or cxx is None:
         pytest.skip("cmake and clang++ are needed")
     root = tmp_path_factory.mktemp("embed")
-    mlx_include = Path(mlx.__path__[0]) / "include"
-    (root / "CMakeLists.txt").write_text(
-        textwrap.dedent(
-            f"""\
-            cmake_minimum_required(VERSION 3.24)
-            project(embed_check NONE)
-            include("{REPO / 'cmake' / 'mtplx_metal.cmake'}")
-            mtplx_embed_metal(cpp METAL_DIR "{REPO / 'metal'}"
-                              INCLUDE_DIRS "{REPO / 'metal'}" "{mlx_include}")
-            add_custom_target(embedded ALL DEPENDS "${{cpp}}")
-            """
-        )
+    (root / "main.cpp").write_text(
+        "#include <cstdio>\n"
+        '#include "metal/embedded_source.h"\n'
+        "#ifndef MTPLX_METAL_EMBEDDED\n"
+        "#error the glue would load a metallib\n"
+        "#endif\n"
+        "int main() {\n"
+        "  auto s = mtplx::metal::embedded_source();\n"
+        "  std::fwrite(s.data(), 1, s.size(), stdout);\n"
+        "}\n"
     )
-    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    build = root / "build"
-    for cmd in (
-        [_cmake(), "-S", str(root), "-B", str(build), *gen, f"-DPython_EXECUTABLE={sys.executable}"],
-        [_cmake(), "--build", str(build)],
-    ):
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        assert res.returncode == 0, res.stdout + res.stderr
-    main = root / "main.cpp"
-    main.write_text(
-        '#include <cstdio>\n#include "metal/embedded_source.h"\n'
-        "int main() {\n  auto s = mtplx::metal::embedded_source();\n"
-        "  std::fwrite(s.data(), 1, s.size(), stdout);\n}\n"
+    build, _ = _configure(
+        root,
+        f"""\
+        cmake_minimum_required(VERSION 3.24)
+        project(embed_check CXX)
+        set(CMAKE_CXX_STANDARD 17)
+        include("{REPO / 'cmake' / 'mtplx_metal.cmake'}")
+        add_executable(print_source main.cpp)
+        target_include_directories(print_source PRIVATE "{REPO / 'csrc'}")
+        mtplx_metal_kernels(print_source MODE EMBED METAL_DIR "{REPO / 'metal'}"
+                            INCLUDE_DIRS {_metal_dirs()})
+        """,
+        f"-DPython_EXECUTABLE={sys.executable}",
+        f"-DCMAKE_CXX_COMPILER={cxx}",
     )
-    exe = root / "print_source"
-    res = subprocess.run(
-        [cxx, "-std=c++17", f"-I{REPO / 'csrc'}", str(main),
-         str(build / "mtplx_metal_embedded.cpp"), "-o", str(exe)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    res = subprocess.run([_cmake(), "--build", str(build)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    exe = build / "print_source"
     return subprocess.run([str(exe)], capture_output=True, check=True).stdout
+
+
+@pytest.mark.skipif(_cmake() is None, reason="cmake not installed")
+def test_metallib_mode_compiles_the_same_kernel_files(tmp_path):
+    # mlx_build_metallib (MLX's, macOS only) replaced by one that reports
+    # what it was given: the metal/*.metal files and the embed's includes.
+    _, out = _configure(
+        tmp_path,
+        f"""\
+        cmake_minimum_required(VERSION 3.24)
+        project(metallib_check NONE)
+        macro(mlx_build_metallib)
+          cmake_parse_arguments(M "" "TARGET;TITLE;OUTPUT_DIRECTORY" "SOURCES;INCLUDE_DIRS;DEPS" ${{ARGN}})
+          message(STATUS "metallib sources: ${{M_SOURCES}}")
+          message(STATUS "metallib includes: ${{M_INCLUDE_DIRS}}")
+          add_custom_target(${{M_TARGET}})
+        endmacro()
+        include("{REPO / 'cmake' / 'mtplx_metal.cmake'}")
+        add_custom_target(ext)
+        mtplx_metal_kernels(ext MODE METALLIB METAL_DIR "{REPO / 'metal'}"
+                            INCLUDE_DIRS {_metal_dirs()})
+        """,
+    )
+    sources = re.search(r"metallib sources: (.*)", out).group(1).split(";")
+    includes = re.search(r"metallib includes: (.*)", out).group(1).split(";")
+    assert sorted(sources) == [str(p) for p in sorted(emulator.METAL_DIR.glob("*.metal"))]
+    assert includes == [str(REPO / "metal"), str(Path(mlx.__path__[0]) / "include")]
 
 
 def test_cmake_embedded_source_is_what_the_emulator_runs(cmake_embedded_source):
