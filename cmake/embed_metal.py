@@ -4,10 +4,12 @@ A Mac without Xcode's ``metal`` tool cannot build ``mtplx_ext.metallib``; the
 extension then carries its kernels as source and has MLX's device compile them
 at first use (``metal::Device::get_library(name, builder)``). Metal's runtime
 compiler resolves no include of ours, so every ``#include`` that names a file
-under an include directory is inlined here; ``#pragma once`` becomes an
-include guard, so the preprocessor sees exactly what the Metal compiler does
-when it builds the metallib from the separate files. ``#line`` markers keep
-compiler messages pointing at the original files. Includes found nowhere
+under an include directory is inlined, in place. ``#pragma once`` becomes an
+include guard (the preprocessor then keeps exactly the copies it would keep),
+and a kernel file's own macros are undefined after it, as at the end of its
+translation unit; the shim compile and the emulator run the merged source, so
+a clash between files shows up on Linux. ``#line`` markers keep compiler
+messages pointing at the original files. Includes found nowhere
 (``<metal_stdlib>``, ``<cstdint>`` of host-only branches) stay as they are.
 
 The macOS build runs this through ``cmake/mtplx_metal.cmake``; the test suite

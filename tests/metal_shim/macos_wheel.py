@@ -121,6 +121,8 @@ def extract(wheel: Path, dest: Path) -> MacSdk:
         r"if \(ON\)\s*\n(?:[^\n]*\n)*?\s*set\(MLX_CXX_FLAGS \$\{MLX_CXX_FLAGS\} (-D\w+)\)",
         config,
     )
+    if "-D_METAL_" not in defines:
+        raise RuntimeError(f"{wheel.name}: MLXConfig.cmake sets no -D_METAL_ (format changed?)")
     return MacSdk(
         include_dirs=[root / "include" / "metal_cpp", root / "include"],
         defines=defines,
