@@ -131,7 +131,10 @@ def test_glue_mlx_symbols_are_exported_by_macos_libmlx(glue_objects, exports, vi
     res, obj = glue_objects[vid]
     assert res.returncode == 0, f"{vid} does not compile:\n{res.stderr}"
     needed = mw.undefined_symbols(obj)
-    assert needed, f"{vid}: no MLX symbol needed at all; is the check blind?"
+    src = next(p for v, p, _ in GLUE_VARIANTS if v == vid)
+    if "get_command_encoder(" in src.read_text():
+        # That call is never inline: an empty list would mean a blind check.
+        assert needed, f"{vid}: no MLX symbol found in the object"
     missing = sorted(needed[k] for k in needed.keys() - exports)
     assert not missing, (
         f"{vid} would not link on macOS; libmlx.dylib does not export:\n  "
