@@ -4,6 +4,11 @@
 
 #include <filesystem>
 #include <stdexcept>
+#include <string>
+
+#ifdef MTPLX_METAL_EMBEDDED
+#include "metal/embedded_source.h"
+#endif
 
 namespace mtplx::metal {
 
@@ -24,8 +29,15 @@ const std::string& module_dir() {
 MTL::ComputePipelineState* get_kernel(
     mx::metal::Device& d,
     const std::string& name) {
+#ifdef MTPLX_METAL_EMBEDDED
+  // Built without the metallib: MLX compiles the embedded source once, on
+  // first use, and caches the library by name.
+  auto* lib = d.get_library(
+      "mtplx_ext", [] { return std::string(embedded_source()); });
+#else
   // A path ending in .metallib is loaded as is (MLX caches it by name).
   auto* lib = d.get_library("mtplx_ext", module_dir() + "/mtplx_ext.metallib");
+#endif
   return d.get_kernel(name, lib);
 }
 

@@ -13,7 +13,8 @@ namespace mx = mlx::core;
 // installed next to it.
 const std::string& module_dir();
 
-// Pipeline state of the kernel with this host name, from mtplx_ext.metallib.
+// Pipeline state of the kernel with this host name, from mtplx_ext.metallib
+// or, in builds that embed the kernel source, from that source.
 MTL::ComputePipelineState* get_kernel(
     mx::metal::Device& d,
     const std::string& name);

@@ -1,16 +1,20 @@
 """Builds the threadgroup emulator and runs Metal kernels on numpy buffers.
 
-The emulator library holds every kernel of ``metal/*.metal`` (translated by
-metal2cpp.py, compiled as C++ against metal_shim.h) plus the deliberately
-broken fixtures of ``broken/``, the self-test kernels of ``probes/``, the
-fiber runtime and the primitives' host launch plans. Kernels are looked up by their Metal host name; fixture kernels
+The emulator library holds every kernel of ``metal/*.metal``, taken from the
+one flattened source that a macOS build without the metallib embeds
+(cmake/embed_metal.py; translated by metal2cpp.py, compiled as C++ against
+metal_shim.h), plus the deliberately broken fixtures of ``broken/``, the
+self-test kernels of ``probes/``, the fiber runtime and the primitives' host
+launch plans. Kernels are looked up by their Metal host name; fixture kernels
 are named ``broken/<fixture>/<host name>``, probes ``probe/<name>``.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -30,6 +34,8 @@ CXX_FLAGS = ["-std=c++17", "-O1", "-fPIC", "-g0", "-w"]
 if os.environ.get("MTPLX_EMU_UCONTEXT"):  # portable fiber switch (slower)
     CXX_FLAGS.append("-DMEMU_USE_UCONTEXT")
 LIB_NAME = "libmetal_emu.so"
+EMBED_SCRIPT = REPO / "cmake" / "embed_metal.py"
+EMBEDDED_NAME = "mtplx_ext_embedded.metal"
 
 
 class EmulatorError(RuntimeError):
@@ -41,9 +47,31 @@ def clang() -> str | None:
     return shutil.which(os.environ.get("MTPLX_CLANGXX", "clang++"))
 
 
-def kernel_sources() -> list[tuple[Path, str]]:
-    """(.metal file, host-name prefix) of every kernel the library holds."""
-    srcs = [(p, "") for p in sorted(METAL_DIR.glob("*.metal"))]
+@functools.cache
+def embed_module():
+    """cmake/embed_metal.py, the macOS build's kernel-source flattener."""
+    spec = importlib.util.spec_from_file_location("mtplx_embed_metal", EMBED_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def embedded_source() -> str:
+    """metal/*.metal as one source, exactly as a macOS build embeds it."""
+    embed = embed_module()
+    return embed.flatten(embed.metal_sources(METAL_DIR), [METAL_DIR])
+
+
+def kernel_sources(work: Path) -> list[tuple[Path, str]]:
+    """(.metal file, host-name prefix) of every kernel the library holds.
+
+    The real kernels run from the embedded source (written into `work`), so
+    the emulator covers the very text a macOS build without the metallib
+    compiles; its line markers name the original files.
+    """
+    flat = work / EMBEDDED_NAME
+    flat.write_text(embedded_source())
+    srcs = [(flat, "")]
     srcs += [(p, f"broken/{p.stem}/") for p in sorted(BROKEN_DIR.glob("*.metal"))]
     srcs += [(p, "probe/") for p in sorted(PROBE_DIR.glob("*.metal"))]
     return srcs
@@ -52,7 +80,7 @@ def kernel_sources() -> list[tuple[Path, str]]:
 def _inputs_digest(cxx: str) -> str:
     h = hashlib.sha256()
     files = sorted(METAL_DIR.glob("*")) + sorted(SHIM_DIR.rglob("*"))
-    files += sorted((REPO / "csrc" / "metal").glob("*.h"))
+    files += sorted((REPO / "csrc" / "metal").glob("*.h")) + [EMBED_SCRIPT]
     for f in files:
         if f.is_file() and f.suffix not in (".pyc", ".md") and "__pycache__" not in f.parts:
             h.update(str(f.relative_to(REPO)).encode())
@@ -87,8 +115,10 @@ def build(cache_root: Path, jobs: int = 2) -> Path:
     work.mkdir(parents=True)
     includes = [f"-I{SHIM_DIR}", f"-I{REPO / 'csrc'}", f"-I{METAL_DIR}"]
     units = [SHIM_DIR / "emu_runtime.cpp", SHIM_DIR / "host_glue.cpp"]
-    for src, prefix in kernel_sources():
-        cpp, _ = translate(src, [METAL_DIR], prefix)
+    for src, prefix in kernel_sources(work):
+        # The embedded source must need no include directory.
+        dirs = [] if src.name == EMBEDDED_NAME else [METAL_DIR]
+        cpp, _ = translate(src, dirs, prefix)
         name = (prefix.replace("/", "_") + src.stem) or src.stem
         dst = work / f"{name}.cpp"
         dst.write_text(cpp)

@@ -1,0 +1,4 @@
+// Declarations-only stand-in for <CoreFoundation/CoreFoundation.h>.
+#pragma once
+
+typedef double CFTimeInterval;

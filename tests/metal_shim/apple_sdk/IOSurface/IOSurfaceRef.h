@@ -1,0 +1,4 @@
+// Declarations-only stand-in for <IOSurface/IOSurfaceRef.h>.
+#pragma once
+
+typedef struct __IOSurface* IOSurfaceRef;
