@@ -15,144 +15,21 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import mtplx_ext
 from mtplx_ext import generate_greedy_batched
-
-#: Top-2 gap (nats) below which a batched/single-stream argmax flip is a tie.
-TIE_TOL = 1e-4
-
-#: (trunk, reject_mode): per-stream rollback (attention-only trunk), the
-#: uniform repair of the same trunk, and the uniform repair a hybrid needs.
-MODES = [("qwen3", "repair"), ("qwen3", "reforward"), ("qwen3_next", "repair")]
-
-
-def rolls_back(model_type: str, reject_mode: str) -> bool:
-    """Whether the loop rolls streams back on their own (no repair forward)."""
-    return reject_mode == "repair" and model_type != "qwen3_next"
-
-
-def _rng() -> np.random.Generator:
-    return np.random.default_rng()
-
-
-def _runtime(model_type: str, rng: np.random.Generator, **kw):
-    return mtplx_ext.init_random(model_type, seed=int(rng.integers(1 << 30)), **kw)
-
-
-def _prompts(rng: np.random.Generator, vocab: int, B: int, max_len: int = 12) -> list[list[int]]:
-    lengths = rng.integers(1, max_len + 1, size=B)
-    if B > 1:
-        lengths[0], lengths[1] = 1, max_len  # always ragged, extremes included
-    return [rng.integers(0, vocab, size=int(n)).tolist() for n in lengths]
-
-
-def _argmax(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
-
-
-def reference(rt, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """mlx-lm greedy decoding of one prompt: tokens and top-2 logit gaps."""
-    tokens, gaps = [], []
-    for tok, logprobs in generate_step(mx.array(prompt), rt.trunk, max_tokens=n, sampler=_argmax):
-        top = np.sort(np.array(logprobs, dtype=np.float64))[-2:]
-        tokens.append(int(tok))
-        gaps.append(float(top[1] - top[0]))
-    return tokens, gaps
-
-
-def expected(ref: list[int], stops: set[int], cap: int) -> list[int]:
-    out = []
-    for t in ref[:cap]:
-        out.append(t)
-        if t in stops:
-            break
-    return out
-
-
-def check_stream(i: int, stream, ref: list[int], gaps: list[float], stops: set[int], cap: int) -> bool:
-    """Asserts one stream matches its reference; False if it left it at a near tie."""
-    got = stream.tokens
-    assert len(got) <= cap
-    assert all(t not in stops for t in got[:-1]), f"stream {i} went on after a stop token"
-    exp = expected(ref, stops, cap)
-    for j, (g, e) in enumerate(zip(got, exp)):
-        if g != e:
-            assert gaps[j] < TIE_TOL, (
-                f"stream {i}, token {j}: got {g}, reference {e}; reference top-2 gap "
-                f"{gaps[j]:.3g} is not a near tie"
-            )
-            if stream.finish_reason == "length":
-                assert len(got) == cap and got[-1] not in stops
-            else:
-                assert stream.finish_reason == "stop" and got[-1] in stops
-            return False
-    assert got == exp, f"stream {i}: got {got}, expected {exp}"
-    assert stream.finish_reason == ("stop" if exp[-1] in stops else "length")
-    return True
-
-
-def check_counters(r, mtp: bool) -> None:
-    assert r.host_syncs == r.cycles
-    assert r.prefill_s > 0 and r.decode_s > 0
-    if mtp:
-        assert r.forwards == r.cycles + r.repair_cycles
-        assert 0 <= r.accepted <= r.drafted
-    else:
-        assert r.repair_cycles == r.drafted == r.accepted == 0
-        assert r.forwards == r.cycles - 1
-        assert r.cycles == max(len(s.tokens) for s in r.streams)
-
-
-class ScriptedHead:
-    """A runtime whose head drafts scripted tokens instead of its own.
-
-    The head still runs (so its cache is exercised); only its logits are
-    replaced, at every position (with per-stream rollback a rejecting stream
-    drafts from the first of a cycle's two positions). The drafted index
-    comes from the head cache's per-row offset, on the device, so the
-    wrapper adds no host read and pipelining stays real.
-
-    Modes: "oracle" drafts the reference's token (always right), "wrong" a
-    different one (always wrong), "mixed" one or the other by a fixed coin
-    per position.
-    """
-
-    def __init__(self, rt, refs: list[list[int]], prompts: list[list[int]], mode: str, rng, pattern=None):
-        self.rt = rt
-        V = rt.vocab_size
-        width = max(len(r) for r in refs) + 4
-        table = np.zeros((len(refs), width), np.int32)
-        for i, ref in enumerate(refs):
-            right = np.ones(len(ref), bool) if mode == "oracle" else np.zeros(len(ref), bool)
-            if mode == "mixed":
-                right = rng.random(len(ref)) < 0.5
-            if mode == "pattern":  # pattern[c]: cycle c's draft (generated index 2c + 1) is right
-                right[1::2] = np.asarray(pattern, bool)[: len(right[1::2])]
-            table[i, : len(ref)] = np.where(right, ref, (np.array(ref) + 1) % V)
-        self.table = mx.array(table)
-        self.lengths = mx.array([len(p) for p in prompts])
-
-    def __getattr__(self, name):
-        return getattr(self.rt, name)
-
-    def head_states(self, hidden, next_tokens, head_cache):
-        chained, normed = self.rt.head_states(hidden, next_tokens, head_cache)
-        # The head cache's offset was advanced by T in the call above; head
-        # position j of the call drafts generated index offset - T + j + 2 - len.
-        # That index rides in the normed states (which the cycle gathers per
-        # stream) to `head_logits`.
-        T = next_tokens.shape[1]
-        g = head_cache[0].offset[:, None] - T + mx.arange(T)[None] + 2 - self.lengths[:, None]
-        g = mx.clip(g, 0, self.table.shape[1] - 1)
-        return chained, mx.zeros_like(normed) + g[..., None].astype(normed.dtype) + 0 * normed
-
-    def head_logits(self, normed):
-        want = mx.take_along_axis(self.table, normed[..., 0].astype(mx.int32), axis=1)
-        V = self.rt.vocab_size
-        return (mx.arange(V)[None, None] == want[..., None]).astype(normed.dtype) * 30.0
-
+from _greedy import (
+    MODES,
+    TIE_TOL,
+    ScriptedHead,
+    _prompts,
+    _rng,
+    _runtime,
+    check_counters,
+    check_stream,
+    reference,
+    rolls_back,
+)
 
 @pytest.mark.parametrize("model_type, reject_mode", MODES)
 @pytest.mark.parametrize("B", [1, 3, 8])

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import mtplx_ext
-import mtplx_ext.sampled as sampled_mod
 from mtplx_ext import SamplerConfig
 from mtplx_ext.sampling import counts_with, distribution_from_logits
 from _stats import g_test_pvalue
@@ -79,13 +78,13 @@ def test_mtp_and_plain_sampling_give_the_models_first_two_token_distribution(rng
 
 
 def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatch):
-    vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
+    import mtplx_ext.engine.policies as policies
 
-    def residual_from_target(verify_logits, draft_logits, tokens, uniforms, sampler, *, token_counts=None, stream=None):
-        params = sampled_mod.sampler_params(sampler, verify_logits.shape[0])
-        return mtplx_ext._ext.verify_sampled(
-            verify_logits, draft_logits, tokens, uniforms, params, token_counts, variant=1, stream=stream
-        )
+    vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
+    real = policies.verify_sampled_chain
+
+    def residual_not_renormalised(*args, **kw):  # variant 1 of the chain primitive (test-only)
+        return real(*args, **kw, _variant=1)
 
     for _ in range(5):
         rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
@@ -95,7 +94,7 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
         if acc > 0.2:  # a head that drafts usefully: rejection draws matter
             break
     with monkeypatch.context() as m:
-        m.setattr(sampled_mod, "verify_sampled", residual_from_target)
+        m.setattr(policies, "verify_sampled_chain", residual_not_renormalised)
         broken, _ = first_two(rt, prompt, cfg, seeds, mtp=True)
     assert pair_pvalue(rt, prompt, cfg, broken) < ALPHA
 
@@ -172,3 +171,57 @@ def test_streams_with_nearby_row_seeds_never_share_a_uniform():
     assert u.size == B * steps * calls
     # Independent float32 uniforms collide by chance with probability ~1e-2 here.
     assert u.size - np.unique(u).size <= 1
+
+
+def expected_chain_joint(rt, prompt: list[int], cfg: SamplerConfig, n: int) -> np.ndarray:
+    """P(t_1..t_n) = prod_i p(t_i | prompt, t_<i) from full forwards of the trunk, float64, flat [V**n]."""
+    V = rt.vocab_size
+    joint = np.ones(1)
+    prefixes = [[]]
+    for _ in range(n):
+        logits = rt.trunk(mx.array([prompt + p for p in prefixes]))[:, -1].astype(mx.float32)
+        rows = np.array(logits, np.float64)
+        step = np.stack([distribution_from_logits(rows[i], cfg, counts_with(None, V, p)) for i, p in enumerate(prefixes)])
+        joint = (joint[:, None] * step).reshape(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+    return joint
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("penalties", [False, True])
+def test_depth_k_sampling_gives_the_models_joint_distribution_of_the_first_k_plus_1_tokens(rng, depth, penalties):
+    V, n = 8, depth + 1
+    cfg = SamplerConfig(temperature=2.0, top_p=0.97, presence_penalty=0.6 if penalties else 0.0,
+                        frequency_penalty=0.3 if penalties else 0.0)
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
+    prompt = rng.integers(0, V, size=int(rng.integers(2, 6))).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(6000)).tolist()
+    res = mtplx_ext.generate_batched(
+        rt, [prompt] * len(seeds), max_new_tokens=n, sampler=cfg, row_seeds=seeds, depth=depth
+    )
+    seqs = np.array([s.tokens for s in res.streams])
+    assert seqs.shape == (len(seeds), n)
+    assert res.reached[depth - 1] > 0, "no cycle reached the last draft: the chain was not exercised"
+    idx = np.ravel_multi_index(tuple(seqs.T), (V,) * n)
+    p = g_test_pvalue(np.bincount(idx, minlength=V**n), expected_chain_joint(rt, prompt, cfg, n))
+    assert p >= ALPHA, f"depth-{depth} sampling off the model's distribution: p = {p:.2e}"
+
+
+def test_the_depth_test_rejects_a_chain_that_tests_acceptance_against_the_next_target(rng, monkeypatch):
+    import mtplx_ext.engine.policies as policies
+
+    V, depth = 8, 2
+    cfg = SamplerConfig(temperature=2.0, top_p=0.97)
+    real = policies.verify_sampled_chain
+    # Variant 3 of the chain primitive (test-only): draft i tested against p_{i+1}.
+    monkeypatch.setattr(policies, "verify_sampled_chain", lambda *a, **k: real(*a, **k, _variant=3))
+    for _ in range(5):
+        rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
+        prompt = rng.integers(0, V, size=4).tolist()
+        seeds = (int(rng.integers(1 << 40)) + np.arange(6000)).tolist()
+        res = mtplx_ext.generate_batched(rt, [prompt] * len(seeds), max_new_tokens=3, sampler=cfg, row_seeds=seeds, depth=depth)
+        if res.acceptance_rate > 0.2:  # a head that drafts usefully: the accept test matters
+            break
+    seqs = np.array([s.tokens for s in res.streams])
+    idx = np.ravel_multi_index(tuple(seqs.T), (V,) * 3)
+    assert g_test_pvalue(np.bincount(idx, minlength=V**3), expected_chain_joint(rt, prompt, cfg, 3)) < ALPHA

@@ -24,6 +24,8 @@ import mtplx_ext
 from mtplx_ext import _blas, sampling
 from mtplx_ext._checks import SEED_LIMIT, as_int
 
+import numpy as np
+
 SHIPPED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-qwen3-mtp"
 EOS = "<|endoftext|>"
 
@@ -216,13 +218,13 @@ def _decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_comm
             return mtplx_ext.generate_batched(
                 rt, prompts, max_new_tokens=args.max_tokens, sampler=sampler, seed=args.seed,
                 stop_token_ids=stop, use_mtp_draft=not args.no_mtp, on_commit=on_commit,
-                enforce_eager=args.enforce_eager,
+                enforce_eager=args.enforce_eager, depth=args.depth,
             )
         except NotImplementedError as e:
             raise CLIError(f"--temperature > 0 is not available in this build: {e}") from e
     return mtplx_ext.generate_greedy_batched(
         rt, prompts, max_new_tokens=args.max_tokens, stop_token_ids=stop,
-        use_mtp_draft=not args.no_mtp, on_commit=on_commit, enforce_eager=args.enforce_eager,
+        use_mtp_draft=not args.no_mtp, on_commit=on_commit, enforce_eager=args.enforce_eager, depth=args.depth,
     )
 
 
@@ -260,7 +262,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     res = _decode(rt, prompts, args, on_commit=streamer, stop=_stop_ids(tok))
     streamer.finish()
     per_stream = res.generated_tokens / len(prompts)
-    mode = "plain decoding" if args.no_mtp else f"MTP acceptance {res.acceptance_rate:.2f}"
+    if args.no_mtp:
+        mode = "plain decoding"
+    else:
+        per_depth = "/".join(f"{a:.2f}" for a in res.acceptance_per_depth)
+        mode = (
+            f"MTP depth {res.depth}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
+            f"mean accepted length {res.mean_accepted_length:.2f}"
+        )
     print(
         f"-- {res.generated_tokens} tokens in {res.decode_s:.2f}s: {res.tokens_per_s:.1f} tokens/s, "
         f"{mode}, {res.forwards / max(per_stream, 1):.2f} forwards/token, "
@@ -288,15 +297,20 @@ class Run:
     forwards: int = 0
     stream_tokens: float = 0.0
     compiled: bool | None = None  # engine runs: whether steps ran through mx.compile
+    reached: list[int] = field(default_factory=list)  # per draft position (MTP runs)
+    accepted_at: list[int] = field(default_factory=list)
+    stream_cycles: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool, enforce_eager: bool = False) -> Run:
+def _engine_run(
+    rt: Any, prompts: list[list[int]], n: int, mtp: bool, enforce_eager: bool = False, depth: int = 1
+) -> Run:
     r = mtplx_ext.generate_greedy_batched(
-        rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager
+        rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager, depth=depth
     )
     per_stream = r.generated_tokens / len(prompts)
     return Run(
@@ -310,6 +324,9 @@ def _engine_run(rt: Any, prompts: list[list[int]], n: int, mtp: bool, enforce_ea
         forwards=r.forwards,
         stream_tokens=per_stream,
         compiled=r.compiled,
+        reached=list(r.reached),
+        accepted_at=list(r.accepted_at),
+        stream_cycles=r.stream_cycles,
     )
 
 
@@ -342,6 +359,9 @@ def _combined(runs: list[Run]) -> Run:
         forwards=sum(r.forwards for r in runs),
         stream_tokens=stream_tokens,
         compiled=all(r.compiled for r in runs) if engine else None,
+        reached=[sum(c) for c in zip(*(r.reached for r in runs))],
+        accepted_at=[sum(c) for c in zip(*(r.accepted_at for r in runs))],
+        stream_cycles=sum(r.stream_cycles for r in runs),
     )
 
 
@@ -440,21 +460,27 @@ def run_bench(
     progress: bool = True,
     baseline: Any = None,
     enforce_eager: bool = False,
+    depths: list[int] | None = None,
+    prompt_ids: list[list[int]] | None = None,
 ) -> dict:
     """All methods at all batch sizes, interleaved per repeat; medians of repeats.
 
     `baseline` is the model mlx-lm's generation runs (default: rt's trunk);
     give the one `mlx_lm_model` loads, so that it runs mlx-lm's own modules.
-    `enforce_eager` keeps the engine's steps out of `mx.compile`.
+    `enforce_eager` keeps the engine's steps out of `mx.compile`. `depths`:
+    one MTP method per depth ("mtp" alone for [1]). `prompt_ids`: the
+    prompts (default: the bench's own openings).
     """
     baseline = rt.trunk if baseline is None else baseline
-    prompt_ids = _encode(tok, list(BENCH_PROMPTS))
-    runners = {
-        "mtp": lambda p: _engine_run(rt, p, n, True, enforce_eager),
-        "plain": lambda p: _engine_run(rt, p, n, False, enforce_eager),
-        "mlx-lm": lambda p: _mlx_lm_run(baseline, p, n),
-    }
-    total = len(batches) * len(METHODS) * (repeats + 1)
+    prompt_ids = _encode(tok, list(BENCH_PROMPTS)) if prompt_ids is None else prompt_ids
+    depths = depths or [1]
+    runners: dict[str, Any] = {}
+    for d in depths:
+        runners["mtp" if depths == [1] else f"mtp-k{d}"] = lambda p, d=d: _engine_run(rt, p, n, True, enforce_eager, d)
+    runners["plain"] = lambda p: _engine_run(rt, p, n, False, enforce_eager)
+    runners["mlx-lm"] = lambda p: _mlx_lm_run(baseline, p, n)
+    methods = list(runners)
+    total = len(batches) * len(methods) * (repeats + 1)
     bar = None
     if progress:
         try:
@@ -466,11 +492,11 @@ def run_bench(
     rows = []
     for b in batches:
         groups = _prompt_groups(prompt_ids, b)
-        runs: dict[str, list[Run]] = {m: [] for m in METHODS}
+        runs: dict[str, list[Run]] = {m: [] for m in methods}
         # One untimed warm-up per method, then methods interleave per repeat so
         # that load changes on the machine hit all of them alike.
         for rep in range(repeats + 1):
-            for m in METHODS:
+            for m in methods:
                 r = _combined([runners[m](g) for g in groups])
                 if rep > 0:
                     runs[m].append(r)
@@ -478,7 +504,7 @@ def run_bench(
                     bar.set_postfix(batch=b, method=m, refresh=False)
                     bar.update(1)
         ref_out = runs["plain"][0].outputs
-        for m in METHODS:
+        for m in methods:
             rs = runs[m]
             tps = statistics.median(r.tokens_per_s for r in rs)
             acc = [r.acceptance for r in rs if r.acceptance is not None]
@@ -498,6 +524,12 @@ def run_bench(
                 "streams": len(ref_out),
                 "compiled": rs[0].compiled,
                 "tokens_per_s_repeats": [r.tokens_per_s for r in rs],
+                # Over all repeats: accepted / reached per draft position.
+                "acceptance_per_depth": [
+                    sum(r.accepted_at[i] for r in rs) / max(1, sum(r.reached[i] for r in rs))
+                    for i in range(len(rs[0].reached))
+                ],
+                "mean_accepted_length": sum(r.accepted for r in rs) / max(1, sum(r.stream_cycles for r in rs)),
             })
     if bar is not None:
         bar.close()
@@ -505,6 +537,8 @@ def run_bench(
         "tokens": n,
         "repeats": repeats,
         "enforce_eager": bool(enforce_eager),
+        "methods": methods,
+        "prompts": len(prompt_ids),
         "rows": rows,
         "versions": versions(),
     }
@@ -520,16 +554,19 @@ def format_table(report: dict) -> str:
         f"{report['tokens']} new tokens per stream, median of {report['repeats']} repeats "
         "(x plain: median of the per-repeat ratios)",
         "",
-        "| batch | method | tokens/s | x plain | acceptance | forwards/token | 0.8 x (1 + acc.) | same tokens as plain |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| batch | method | tokens/s | x plain | acceptance | per depth | accepted length | forwards/token "
+        "| same tokens as plain |",
+        "|---:|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in report["rows"]:
         acc = r["acceptance_rate"]
         fpt = r["forwards_per_token"]
+        per = r.get("acceptance_per_depth") or []
+        mal = r.get("mean_accepted_length")
         lines.append(
             f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio_to_plain']:.2f} | "
-            f"{'' if acc is None else f'{acc:.2f}'} | {'' if fpt is None else f'{fpt:.2f}'} | "
-            f"{'' if acc is None else f'{0.8 * (1 + acc):.2f}'} | "
+            f"{'' if acc is None else f'{acc:.2f}'} | {'/'.join(f'{a:.2f}' for a in per)} | "
+            f"{'' if acc is None or mal is None else f'{mal:.2f}'} | {'' if fpt is None else f'{fpt:.2f}'} | "
             f"{r['streams_equal_to_plain']}/{r['streams']} |"
         )
     return "\n".join(lines)
@@ -546,10 +583,11 @@ def write_plot(report: dict, path: str) -> str:
         return f"--plot skipped: matplotlib is not installed (pip install matplotlib); the table holds the numbers"
     batches = sorted({r["batch"] for r in report["rows"]})
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    width = 0.8 / len(METHODS)
-    for k, m in enumerate(METHODS):
+    methods = report.get("methods", list(METHODS))
+    width = 0.8 / len(methods)
+    for k, m in enumerate(methods):
         vals = [next(r["tokens_per_s"] for r in report["rows"] if r["batch"] == b and r["method"] == m) for b in batches]
-        xs = [i + (k - (len(METHODS) - 1) / 2) * width for i in range(len(batches))]
+        xs = [i + (k - (len(methods) - 1) / 2) * width for i in range(len(batches))]
         ax.bar(xs, vals, width, label=m)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("tokens/s (all streams)")
@@ -583,9 +621,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tok = _tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
     baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL)
+    prompt_ids = heldout_prompts(tok, args.heldout, args.prompt_tokens, seed=args.seed) if args.heldout else None
     report = run_bench(
         rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, depths=args.depth, prompt_ids=prompt_ids,
     )
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
@@ -619,6 +658,43 @@ def _sampler_flag(flag: str, field: str, kind: type = float):
     return parse
 
 
+def _depth(text: str) -> int:
+    try:
+        d = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--depth must be an integer in 1..8, got {text!r}") from None
+    if not 1 <= d <= 8:
+        raise argparse.ArgumentTypeError(f"--depth must be in 1..8, got {d}")
+    return d
+
+
+def _depths(text: str) -> list[int]:
+    return sorted({_depth(t) for t in text.split(",") if t.strip()}) or [1]
+
+
+def heldout_prompts(tok: Any, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` tokens cut at random offsets from the held-out stdlib files.
+
+    The shipped model never saw these files (`mtplx_ext.train`'s split), so
+    acceptance on them is what a user's new text gets, not the training set's.
+    """
+    from mtplx_ext import train  # noqa: PLC0415
+
+    root = train.stdlib_root()
+    _, held = train.split_files(train.stdlib_files(root), root)
+    rng = np.random.default_rng(seed)
+    texts = [train.read_text(p) for p in held]
+    out = []
+    for _ in range(100 * n):
+        ids = tok.encode(texts[int(rng.integers(len(texts)))]).ids
+        if len(ids) > 2 * length:
+            s = int(rng.integers(0, len(ids) - length))
+            out.append(ids[s : s + length])
+        if len(out) == n:
+            return out
+    raise CLIError(f"--heldout: could not cut {n} prompts of {length} tokens from the held-out files")
+
+
 def _seed(text: str) -> int:
     try:
         v = int(text)
@@ -643,6 +719,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_sampler_flag("--top-k", "top_k", int), default=0, help="0 = off")
     g.add_argument("--seed", type=_seed, default=0)
     g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    g.add_argument("--depth", type=_depth, default=1, help="MTP drafts per cycle, 1..8")
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
     g.set_defaults(func=cmd_generate)
 
@@ -655,6 +732,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="batch sizes, e.g. 1,4,8 (each decodes all 8 bench prompts, b at a time)",
     )
     b.add_argument("--tokens", type=_positive("--tokens"), default=128, help="new tokens per stream")
+    b.add_argument("--depth", type=_depths, default=[1], help="MTP depths to sweep, e.g. 1,2,3,4,5")
+    b.add_argument(
+        "--heldout", type=_positive("--heldout"), default=0,
+        help="N prompts cut at random from held-out Python stdlib files (not trained on) instead of the bench's own",
+    )
+    b.add_argument("--prompt-tokens", type=_positive("--prompt-tokens"), default=48, help="tokens per held-out prompt")
+    b.add_argument("--seed", type=_seed, default=0, help="where the held-out prompts are cut")
     b.add_argument("--repeats", type=_positive("--repeats"), default=3)
     b.add_argument("--json", help="write the full report here")
     b.add_argument("--plot", help="write a bar chart PNG here (needs matplotlib)")

@@ -498,6 +498,23 @@ clipping 1.0, batch {cfg['batch']} x {cfg['seq_len']} tokens, seed {cfg['seed']}
 - Head greedy agreement on held-out text (the head's argmax from (h_t,
   x_t+1) equals the trunk's argmax at t + 1, teacher-forced): {held['agree']:.3f}.
 """
+    depths = sorted(int(k.split("_")[1]) for k in held if k.startswith("agree_"))
+    if depths:
+        text += "- Agreement by depth (the head applied k times, teacher-forced): " + ", ".join(
+            f"k = {k}: {held[f'agree_{k}']:.3f}" for k in depths
+        ) + ".\n"
+    if cfg.get("init"):
+        text += f"""- Started from the trained model in `{Path(cfg['init']).name}`"""
+        text += (
+            "; only the head was trained (trunk, embedding and lm_head frozen)"
+            if cfg.get("freeze_trunk")
+            else ""
+        )
+        text += f""", with the depth-{cfg.get('depth', 1)} objective: the head
+  applied {cfg.get('depth', 1)} times (its own output state and the true next token fed
+  back, as a depth-K decode feeds it its drafts), cross-entropy at t + 2 .. t +
+  {cfg.get('depth', 1) + 1}, averaged over depths.
+"""
     if dec:
         text += f"""- Greedy MTP decoding acceptance rate, prompts = the first {dec['prompt_tokens']} tokens of
   {dec['prompts']} held-out files, {dec['new_tokens']} new tokens each: {dec['acceptance_batch']:.3f} as one batch,
