@@ -97,6 +97,14 @@ def check_norm_scales(rt, stored: dict[str, np.ndarray], keys: set[str], offset:
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def saved(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor `save` wrote (trunk file and head file)."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def params_np(rt) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in tree_flatten(rt.parameters())}
 
@@ -127,7 +135,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, seed, case):
     np.testing.assert_allclose(np.array(hl_fused), np.array(hl), rtol=1e-3, atol=1e-3)
     # Saving the loaded model again writes the same tensors.
     back.save(tmp_path / "again")
-    f1, f2 = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    f1, f2 = saved(tmp_path), saved(tmp_path / "again")
     assert f1.keys() == f2.keys() and all(np.array_equal(f1[k], f2[k]) for k in f1)
 
 
@@ -136,7 +144,7 @@ def test_stored_head_norms_follow_layout_convention(tmp_path, seed, case):
     family, layout = case
     rt = randomized(family, layout, seed)
     rt.save(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")
+    stored = saved(tmp_path)
     n = rt.config["num_hidden_layers"]
     norm_keys = head_norm_keys(layout, family, n)
     pre = head_prefix(layout, n)
@@ -160,7 +168,7 @@ def test_stored_head_norms_follow_layout_convention(tmp_path, seed, case):
 def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp_path, seed):
     rt = randomized("qwen3_next", "qwen3_next", seed)
     rt.save(tmp_path / "a")
-    weights = load_file(tmp_path / "a" / "model.safetensors")
+    weights = saved(tmp_path / "a")
     rng = np.random.default_rng(seed + 1)
     keys = head_norm_keys("qwen3_next", "qwen3_next", rt.config["num_hidden_layers"])
     # A checkpoint as published: small zero-centred values, full float32 precision.
@@ -173,7 +181,7 @@ def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp
     back = mtplx_ext.load(src)
     check_norm_scales(back, weights, keys, 1.0, seed)
     back.save(tmp_path / "b")
-    again = load_file(tmp_path / "b" / "model.safetensors")
+    again = saved(tmp_path / "b")
     assert again.keys() == weights.keys()
     assert all(np.array_equal(again[k], weights[k]) for k in weights)
 
@@ -213,7 +221,7 @@ def test_tied_embedding_model_round_trips_and_mlx_lm_reads_it(tmp_path, seed):
 def test_hf_expert_head_weights_are_stacked_on_load(tmp_path, seed, family):
     rt = randomized(family, "qwen3_next", seed, num_experts=4, num_experts_per_tok=2)
     rt.save(tmp_path / "a")
-    w = load_file(tmp_path / "a" / "model.safetensors")
+    w = saved(tmp_path / "a")
     pre = "mtp.layers.0.mlp."
     sw = {p: w.pop(f"{pre}switch_mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
     if family == "qwen3_next":  # one tensor per expert, as Qwen3-Next stores them
@@ -249,7 +257,7 @@ def test_nested_text_config_loads_like_flat_config(tmp_path, seed):
 def test_deepseek_head_block_in_hf_form_is_converted_like_the_trunk(tmp_path, seed):
     rt = randomized("deepseek_v3", "deepseek", seed)
     rt.save(tmp_path / "a")
-    w = load_file(tmp_path / "a" / "model.safetensors")
+    w = saved(tmp_path / "a")
     cfg = rt.config
     n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     pre = f"model.layers.{n}."
@@ -320,7 +328,8 @@ def test_bad_folders_and_configs_raise_clear_errors(tmp_path, seed):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(config))
         if weights:
-            (d / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+            for f in good.glob("*.safetensors"):
+                (d / f.name).write_bytes(f.read_bytes())
         return d
 
     with pytest.raises(ValueError, match="model_type"):
