@@ -448,12 +448,12 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    ours = {"model.safetensors"} | ({HEAD_FILE} if runtime.head is not None else set())
+    trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
+    head_w = runtime.head.checkpoint_weights() if runtime.head is not None else {}
+    ours = {name for name, _ in trunk_shards(trunk_w)} | ({HEAD_FILE} if head_w else set())
     stale = sorted(f.name for f in path.glob("*.safetensors") if f.name not in ours)
     if stale:
         raise FileExistsError(f"{str(path)!r} already holds other weight files: {stale}")
-    trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
-    head_w = runtime.head.checkpoint_weights() if runtime.head is not None else {}
     write_weights(path, trunk_w, head_w)
     config = dict(runtime.config)
     config["mtp_head_layout"] = runtime.head_layout
@@ -466,12 +466,25 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
         runtime.tokenizer.save(str(path / "tokenizer.json"))
 
 
+def trunk_shards(trunk_w: dict[str, mx.array]) -> list[tuple[str, dict[str, mx.array]]]:
+    """(file name, tensors) of the trunk's shards, split and named as mlx-lm's `save_model` does."""
+    from mlx_lm.utils import make_shards
+
+    shards = make_shards(trunk_w) or [{}]
+    if len(shards) == 1:
+        return [("model.safetensors", shards[0])]
+    return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sh) for i, sh in enumerate(shards)]
+
+
 def write_weights(path: Path, trunk_w: dict[str, mx.array], head_w: dict[str, mx.array]) -> None:
-    """The trunk's tensors in model.safetensors, the head's in mtp.safetensors, and the index."""
-    mx.save_safetensors(str(path / "model.safetensors"), trunk_w, metadata={"format": "mlx"})
+    """The trunk's tensors in model*.safetensors, the head's in mtp.safetensors, and the index."""
+    wm = {}
+    for name, shard in trunk_shards(trunk_w):
+        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
+        wm.update({k: name for k in shard})
     if head_w:
         mx.save_safetensors(str(path / HEAD_FILE), head_w, metadata={"format": "mlx"})
-    wm = {k: "model.safetensors" for k in trunk_w} | {k: HEAD_FILE for k in head_w}
+    wm.update({k: HEAD_FILE for k in head_w})
     total = sum(v.nbytes for v in (*trunk_w.values(), *head_w.values()))
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
