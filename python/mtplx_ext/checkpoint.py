@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mtplx_ext import models
+from mtplx_ext._checks import CheckpointError
 from mtplx_ext import quantize as quant
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import take_prefixed
@@ -34,10 +35,6 @@ _DEFAULT = object()
 #: The head's own weight file: mlx-lm reads `model*.safetensors` only.
 HEAD_FILE = "mtp.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-class CheckpointError(ValueError):
-    """A model folder, config or tensor that cannot be loaded (one-line message)."""
 
 # Small configs for tests: fast on two CPU cores, float32.
 _SMALL_COMMON = {

@@ -91,10 +91,14 @@ def family_layout(config: dict, where: str) -> str:
     return models.FAMILY_DEFAULT_LAYOUT[mt]
 
 
-def _weight_names(path: Path) -> dict[str, str]:
-    """tensor name -> file, from the index, or from each file's header."""
+def _weight_names(path: Path, all_shards: bool = True) -> dict[str, str]:
+    """tensor name -> file, from the index, or from each file's header.
+
+    With `all_shards`, a shard the index names but the folder lacks is an error.
+    """
     if (path / INDEX_FILE).is_file():
-        weight_files(path)  # names a missing shard
+        if all_shards:
+            weight_files(path)
         return read_index(path)
     return {k: f.name for f in weight_files(path) for k in read_safetensors(f)}
 
@@ -304,10 +308,13 @@ def add_mtp(
                 f"{field} differs: {ht.get(field)!r} in {hf_path / 'config.json'}, "
                 f"{mt.get(field)!r} in {mlx_path / 'config.json'}"
             )
-    names = _weight_names(hf_path)
+    names = _weight_names(hf_path, all_shards=False)
     shards = sorted({f for k, f in names.items() if k.startswith(prefix)})
     if not shards:
         raise _no_head_error(hf_path, prefix)
+    for f in shards:
+        if not (hf_path / f).is_file():
+            raise FileNotFoundError(f"{hf_path / INDEX_FILE} puts MTP tensors in {f!r}, which is missing from the folder")
     mlx_names = _weight_names(mlx_path)
     if any(k.startswith(prefix) for k in mlx_names):
         raise CheckpointError(f"{mlx_path} already holds MTP head tensors ({prefix}*)")

@@ -19,6 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import infer_quant_config, quantize_model
 
+from mtplx_ext._checks import CheckpointError
+
 #: Modes mlx-lm's `quantize_model` knows, with its default (group_size, bits).
 MODES = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
 
@@ -32,22 +34,22 @@ def check_quantization(q: Any, where: str) -> dict:
     `mx.quantize` call probes it, so no table here can drift from MLX's.
 
     Raises:
-        ValueError: one line naming `where` and the bad field.
+        CheckpointError (a ValueError): one line naming `where` and the bad field.
     """
     if not isinstance(q, dict):
-        raise ValueError(f"{where} must be an object with group_size, bits and mode, got {q!r}")
+        raise CheckpointError(f"{where} must be an object with group_size, bits and mode, got {q!r}")
     mode = q.get("mode", "affine")
     if mode not in MODES:
-        raise ValueError(f"{where}: quantization mode {mode!r} is not one mlx-lm has ({', '.join(MODES)})")
+        raise CheckpointError(f"{where}: quantization mode {mode!r} is not one mlx-lm has ({', '.join(MODES)})")
     gs, bits = q.get("group_size", MODES[mode][0]), q.get("bits", MODES[mode][1])
     for name, v in (("group_size", gs), ("bits", bits)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{where}: {name} must be a positive integer, got {v!r}")
+            raise CheckpointError(f"{where}: {name} must be a positive integer, got {v!r}")
     try:
         mx.eval(mx.quantize(mx.zeros((1, gs)), group_size=gs, bits=bits, mode=mode))
     except (ValueError, RuntimeError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{where}: bits={bits}, group_size={gs} not supported by mode {mode!r}: {msg}") from None
+        raise CheckpointError(f"{where}: bits={bits}, group_size={gs} not supported by mode {mode!r}: {msg}") from None
     return {"group_size": gs, "bits": bits, "mode": mode}
 
 
