@@ -347,3 +347,106 @@ def test_bad_folders_and_configs_raise_clear_errors(tmp_path, seed):
     (good / "model-00002-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileExistsError, match="other weight files"):
         rt.save(good)
+
+
+# -- bad inputs: each a one-line error naming the field, key or file ----------------------------
+
+
+@pytest.fixture()
+def good_folder(tmp_path, seed) -> Path:
+    rt = randomized("qwen3", "qwen3_next", seed)
+    from tokenizers import Tokenizer, models as tok_models
+
+    rt.tokenizer = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(8)}, unk_token="w0"))
+    rt.save(tmp_path / "good")
+    return tmp_path / "good"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": _DROP}, r"config\.json: required field 'hidden_size' is missing"),
+        ({"vocab_size": "512"}, r"config\.json: vocab_size must be a positive integer, got '512'"),
+        ({"num_attention_heads": 0}, r"config\.json: num_attention_heads must be a positive integer, got 0"),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive integer"),
+        ({"rope_theta": -10000.0}, r"config\.json: rope_theta must be a positive finite number"),
+        ({"rms_norm_eps": float("nan")}, r"rms_norm_eps must be a positive finite number"),
+    ],
+    ids=["no-hidden-size", "string-vocab", "zero-heads", "zero-kv-heads", "negative-rope-theta", "nan-eps"],
+)
+def test_bad_config_fields_raise_one_line_errors_naming_the_field(good_folder, changes, message):
+    _edit_config(good_folder, **changes)
+    with pytest.raises(mtplx_ext.CheckpointError, match=message) as info:
+        mtplx_ext.load(good_folder)
+    assert "\n" not in str(info.value)
+
+
+def test_config_naming_a_head_without_mtp_weights_says_so_and_names_mtp_from(good_folder):
+    (good_folder / "mtp.safetensors").unlink()
+    (good_folder / "model.safetensors.index.json").unlink()
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"names MTP head layout 'qwen3_next'.*no MTP head tensors.*--mtp-from"):
+        mtplx_ext.load(good_folder)
+
+
+def test_partial_head_names_the_missing_head_tensors(good_folder):
+    w = load_file(good_folder / "mtp.safetensors")
+    w.pop("mtp.fc.weight")
+    save_file(w, good_folder / "mtp.safetensors")
+    (good_folder / "model.safetensors.index.json").unlink()
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"MTP head .* missing 1 tensor\(s\): mtp\.fc\.weight"):
+        mtplx_ext.load(good_folder)
+
+
+def test_wrong_shape_tensor_names_its_checkpoint_key(good_folder):
+    w = load_file(good_folder / "mtp.safetensors")
+    w["mtp.pre_fc_norm_hidden.weight"] = w["mtp.pre_fc_norm_hidden.weight"][:-1].copy()
+    save_file(w, good_folder / "mtp.safetensors")
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"'mtp\.pre_fc_norm_hidden\.weight' has shape"):
+        mtplx_ext.load(good_folder)
+
+
+def test_broken_tokenizer_json_names_the_file(good_folder):
+    (good_folder / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"tokenizer\.json is not a valid tokenizer file"):
+        mtplx_ext.load(good_folder)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"], ids=["empty", "bad-header"])
+def test_unreadable_safetensors_file_names_the_file(good_folder, content):
+    (good_folder / "mtp.safetensors").write_bytes(content)
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"mtp\.safetensors is not a"):
+        mtplx_ext.load(good_folder)
+
+
+def test_shard_named_in_the_index_but_missing_names_the_shard(good_folder):
+    (good_folder / "mtp.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names shard 'mtp\.safetensors', which is missing"):
+        mtplx_ext.load(good_folder)
+
+
+@pytest.mark.parametrize("corruption", ["empty-weights", "broken-tokenizer", "string-vocab"])
+def test_cli_on_a_corrupt_model_folder_prints_one_error_line_and_exits_2(good_folder, capsys, corruption):
+    from mtplx_ext import cli
+
+    if corruption == "empty-weights":
+        (good_folder / "model.safetensors").write_bytes(b"")
+    elif corruption == "broken-tokenizer":
+        (good_folder / "tokenizer.json").write_text("{")
+    else:
+        _edit_config(good_folder, vocab_size="512")
+    assert cli.main(["generate", "w1 w2", "--model", str(good_folder), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mtplx-ext: error: ") and "Traceback" not in "".join(err)
