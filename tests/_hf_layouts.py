@@ -364,3 +364,58 @@ def head_keys(family: str, tensors: dict) -> set[str]:
     n = text(CONFIGS[family])["num_hidden_layers"]
     prefix = {"qwen3_next": "mtp.", "deepseek": f"model.layers.{n}.", "mimo": "model.mtp_layers."}[LAYOUT[family]]
     return {k for k in tensors if k.startswith(prefix)}
+
+
+def _retag_fp8(file: Path) -> None:
+    """Marks the uint8 fp8 tensors of a safetensors file F8_E4M3, as the published files store them."""
+    import struct
+
+    raw = file.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + n])
+    for k, v in header.items():
+        if k != "__metadata__" and v["dtype"] == "U8":
+            v["dtype"] = "F8_E4M3"
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    file.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n :])
+
+
+def block_fp8(folder: Path, block: int = 128) -> dict[str, np.ndarray]:
+    """Rewrites a DeepSeek fixture's linear weights as block-fp8 (DeepSeek-V3's published form).
+
+    Each `*_proj.weight` of a decoder layer (head included) becomes an
+    F8_E4M3 tensor plus a float32 `weight_scale_inv` per 128 x 128 block, and
+    config.json gets `quantization_config`. Returns the dequantized weights
+    every reader should see, by name.
+    """
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    wm = index["weight_map"]
+    expect = {}
+    for shard in sorted(set(wm.values())):
+        from safetensors.numpy import load_file
+
+        t = load_file(folder / shard)
+        for k in [k for k in t if k.startswith("model.layers.") and k.endswith("_proj.weight") and t[k].ndim == 2]:
+            w = t[k]
+            m, n = w.shape
+            pm, pn = -m % block, -n % block
+            blocks = np.pad(w, ((0, pm), (0, pn))).reshape((m + pm) // block, block, (n + pn) // block, block)
+            scale = (np.abs(blocks).max(axis=(1, 3)) / 448.0).astype(np.float32)
+            scaled = (blocks / scale[:, None, :, None]).reshape(m + pm, n + pn)[:m, :n]
+            q = mx.to_fp8(mx.array(scaled.astype(np.float32)))
+            t[k] = np.array(q)
+            t[k[: -len("weight")] + "weight_scale_inv"] = scale
+            wm[k[: -len("weight")] + "weight_scale_inv"] = shard
+            deq = np.array(mx.from_fp8(q, dtype=mx.float32)).astype(np.float64)
+            full = np.pad(deq, ((0, pm), (0, pn))).reshape(blocks.shape) * scale[:, None, :, None]
+            expect[k] = full.reshape(m + pm, n + pn)[:m, :n]
+        save_file(t, folder / shard, metadata={"format": "pt"})
+        _retag_fp8(folder / shard)
+    index_file.write_text(json.dumps({**index, "weight_map": dict(sorted(wm.items()))}, indent=2))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [block, block]}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return expect

@@ -306,11 +306,11 @@ def test_shipped_model_quantized_keeps_heldout_acceptance(tmp_path):
     _, held_files = train.split_files(train.stdlib_files(root), root)
     held = train.encode_files(tok, held_files[:40])
     eos = tok.token_to_id(train.EOS)
-    acc = {"float": train.heldout_decode_acceptance(float_rt, held, eos, new_tokens=48)["acceptance_batch"]}
+    acc = {"float": train.heldout_decode_acceptance(float_rt, held, eos, new_tokens=32)["acceptance_batch"]}
     for bits, tol in ((8, 0.03), (4, 0.08)):
         convert.convert(cli.SHIPPED_MODEL, tmp_path / f"q{bits}", quantize=True, q_bits=bits)
         rt = mtplx_ext.load(tmp_path / f"q{bits}")
-        acc[bits] = train.heldout_decode_acceptance(rt, held, eos, new_tokens=48)["acceptance_batch"]
+        acc[bits] = train.heldout_decode_acceptance(rt, held, eos, new_tokens=32)["acceptance_batch"]
         print(f"held-out acceptance float {acc['float']:.3f}, {bits}-bit {acc[bits]:.3f}")
         assert abs(acc[bits] - acc["float"]) <= tol, acc
 

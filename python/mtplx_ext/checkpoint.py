@@ -360,10 +360,14 @@ def build_runtime(
     elif config.get("quantization_config"):
         qc = config["quantization_config"]
         method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise CheckpointError(
-            f"{where}: quantization_config (quant_method {method!r}) is a Hugging Face quantization; "
-            "only mlx-lm's `quantization` is read"
-        )
+        if method != "fp8":
+            raise CheckpointError(
+                f"{where}: quantization_config (quant_method {method!r}) is a Hugging Face quantization; "
+                "only mlx-lm's `quantization` and block-fp8 checkpoints are read"
+            )
+        # Block-fp8 (DeepSeek-V3 / R1): the family's sanitize dequantizes the
+        # `weight_scale_inv` pairs, as mlx-lm's load does; the runtime is float.
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
     quantization = config.get("quantization")
     arch = trunk_lib.trunk_module(config["model_type"])
     try:
