@@ -195,6 +195,24 @@ def test_convert_load_save_load_round_trip_is_bit_exact(tmp_path, hf, seed, fami
     assert mx.array_equal(direct.head_forward(hd, x), a.head_forward(ha, x)).item()
 
 
+def test_block_fp8_deepseek_checkpoint_converts_to_its_dequantized_weights(tmp_path, seed):
+    folder = tmp_path / "hf"
+    L.write_checkpoint(folder, "deepseek_v3", seed)
+    expect = L.block_fp8(folder)  # float64 dequantization of the stored fp8 blocks
+    convert.convert(folder, tmp_path / "out", dtype="float32")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in cfg and "quantization" not in cfg
+    out = saved(tmp_path / "out")
+    n = L.CONFIGS["deepseek_v3"]["num_hidden_layers"]
+    for key in (f"model.layers.{n}.eh_proj.weight", "model.layers.0.self_attn.q_a_proj.weight",
+                "model.layers.0.mlp.gate_proj.weight"):
+        # mlx-lm dequantizes to bfloat16: 8 significant bits.
+        np.testing.assert_allclose(out[key].astype(np.float64), expect[key], rtol=2**-7, atol=1e-6, err_msg=key)
+    assert not any(k.endswith("weight_scale_inv") for k in out)
+    rt = mtplx_ext.load(tmp_path / "out")
+    assert rt.head_layout == "deepseek"
+
+
 # -- quantized ---------------------------------------------------------------------------------
 
 
