@@ -374,6 +374,7 @@ def test_convert_errors_name_the_file_or_key(tmp_path, hf):
     save_file(w, shard)
     with pytest.raises(CheckpointError, match=r"'mtp\.fc\.weight' has shape"):
         convert.convert(bad, tmp_path / "o3")
+    assert not (tmp_path / "o3").exists()  # a failed conversion leaves nothing behind
     with pytest.raises(ValueError, match="bits=7"):
         convert.convert(folder, tmp_path / "o4", quantize=True, q_bits=7)
     with pytest.raises(CheckpointError, match="dtype"):

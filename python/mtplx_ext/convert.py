@@ -20,6 +20,7 @@ Nothing else ever shifts a head norm.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -143,7 +144,22 @@ def _check_out(out: Path, sources: list[Path]) -> None:
         raise CheckpointError(f"output folder {str(out)!r} is also an input folder")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"output folder {str(out)!r} already exists and is not empty")
+
+
+@contextlib.contextmanager
+def _output_folder(out: Path, sources: list[Path]):
+    """Creates `out`; removes what was written there when the conversion fails."""
+    _check_out(out, sources)
+    existed = out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for f in out.iterdir():
+            f.unlink()
+        if not existed:
+            out.rmdir()
+        raise
 
 
 def _copy_side_files(src: Path, out: Path) -> None:
@@ -209,18 +225,20 @@ def convert(
     if not any(k.startswith(prefix) for k in names):
         raise _no_head_error(hf_path, prefix)
     cast_to = target_dtype(config, dtype)
-    _check_out(out, [hf_path])
-    files = weight_files(hf_path)
-    weights = read_weights(hf_path, files, progress=lambda fs: _progress(fs, "reading shards", progress))
-    rt = build_runtime({**config, "mtp_head_layout": layout}, weights, where=where)
-    del weights
-    cast_runtime(rt, cast_to)
     if quantize:
-        quant.quantize_runtime(
-            rt, q_bits, q_group_size, "affine", mtp_bits,
-            KEEP_FUSION_FLOAT if keep_fusion_float is None else keep_fusion_float,
-        )
-    return _write(rt, hf_path, out, layout)
+        quant.check_quantization({"group_size": q_group_size, "bits": q_bits}, "--q-bits / --q-group-size")
+    with _output_folder(out, [hf_path]):
+        files = weight_files(hf_path)
+        weights = read_weights(hf_path, files, progress=lambda fs: _progress(fs, "reading shards", progress))
+        rt = build_runtime({**config, "mtp_head_layout": layout}, weights, where=where)
+        del weights
+        cast_runtime(rt, cast_to)
+        if quantize:
+            quant.quantize_runtime(
+                rt, q_bits, q_group_size, "affine", mtp_bits,
+                KEEP_FUSION_FLOAT if keep_fusion_float is None else keep_fusion_float,
+            )
+        return _write(rt, hf_path, out, layout)
 
 
 def _write(rt: Any, src: Path, out: Path, layout: str, trunk_from: Path | None = None) -> dict:
@@ -318,7 +336,26 @@ def add_mtp(
     mlx_names = _weight_names(mlx_path)
     if any(k.startswith(prefix) for k in mlx_names):
         raise CheckpointError(f"{mlx_path} already holds MTP head tensors ({prefix}*)")
-    _check_out(out, [hf_path, mlx_path])
+    with _output_folder(out, [hf_path, mlx_path]):
+        return _add_head(hf_path, mlx_path, out, layout, prefix, shards, ht, mt, mlx_cfg, mtp_bits, keep_fusion_float,
+                         progress)
+
+
+def _add_head(
+    hf_path: Path,
+    mlx_path: Path,
+    out: Path,
+    layout: str,
+    prefix: str,
+    shards: list[str],
+    ht: dict,
+    mt: dict,
+    mlx_cfg: dict,
+    mtp_bits: int | None | object,
+    keep_fusion_float: bool | None,
+    progress: bool,
+) -> dict:
+    """`add_mtp`'s work once the inputs are checked: read the head, cast, quantize, write."""
     head_w: dict[str, mx.array] = {}
     for f in _progress(shards, "reading MTP shards", progress):
         part = read_safetensors(hf_path / f)
