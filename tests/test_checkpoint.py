@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import secrets
 from pathlib import Path
@@ -450,3 +452,50 @@ def test_cli_on_a_corrupt_model_folder_prints_one_error_line_and_exits_2(good_fo
     assert cli.main(["generate", "w1 w2", "--model", str(good_folder), "--max-tokens", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("mtplx-ext: error: ") and "Traceback" not in "".join(err)
+
+
+# -- quantized folders ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(mtplx_ext.checkpoint.SMALL_CONFIGS))
+def test_init_random_quantized_round_trips_and_mlx_lm_reads_the_trunk_strictly(tmp_path, seed, family):
+    rt = mtplx_ext.init_random(family, seed=seed, quantize={"bits": 4, "group_size": 32})
+    assert any(hasattr(m, "scales") for _, m in rt.head.named_modules())
+    rt.save(tmp_path)
+    back = mtplx_ext.load(tmp_path, fuse_cpu_ops=False)
+    a, b = params_np(rt), params_np(back)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 6)), dtype=mx.int32)
+    (l1, h1), (l2, h2) = rt.forward(tokens), back.forward(tokens)
+    assert mx.array_equal(l1, l2).item()
+    assert mx.array_equal(rt.head_forward(h1, tokens), back.head_forward(h2, tokens)).item()
+    model, _ = load_model(Path(tmp_path), strict=True)
+    assert mx.array_equal(model(tokens), l1).item()
+
+
+def test_folder_written_by_mlx_lm_with_per_layer_overrides_loads_with_its_logits(tmp_path, seed):
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    rt = randomized("qwen3", None, seed)
+    rt.save(tmp_path / "float")
+    model, config = load_model(tmp_path / "float")
+
+    def predicate(path, module):  # mlx-lm's per-layer form: a dict, or False to keep a layer in float
+        if path.startswith("model.layers.0."):
+            return {"group_size": 32, "bits": 8}
+        if path.endswith("mlp.down_proj"):
+            return False
+        return True
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, config = quantize_model(model, config, 32, 4, quant_predicate=predicate)
+    save_model(tmp_path / "q", model)
+    save_config(config, tmp_path / "q" / "config.json")
+    q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert q["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 8}
+    back = mtplx_ext.load(tmp_path / "q", fuse_cpu_ops=False)
+    bits = {n: m.bits for n, m in back.trunk.named_modules() if hasattr(m, "scales")}
+    assert bits["model.layers.0.self_attn.q_proj"] == 8 and bits["model.layers.1.self_attn.q_proj"] == 4
+    assert "model.layers.1.mlp.down_proj" not in bits
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 6)), dtype=mx.int32)
+    assert mx.array_equal(model(tokens), back.forward(tokens)[0]).item()

@@ -221,7 +221,7 @@ def _quantized_layers(module) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "deepseek_v3", "mimo"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "qwen3_5_moe", "deepseek_v3", "glm4_moe", "mimo"])
 def test_quantized_convert_loads_in_mlx_lm_with_identical_trunk_logits(tmp_path, hf, seed, family, bits):
     from mlx_lm import load as mlx_lm_load
 
