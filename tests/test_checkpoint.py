@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import secrets
 from pathlib import Path
@@ -97,6 +99,14 @@ def check_norm_scales(rt, stored: dict[str, np.ndarray], keys: set[str], offset:
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def saved(folder: Path) -> dict[str, np.ndarray]:
+    """Every tensor `save` wrote (trunk file and head file)."""
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
 def params_np(rt) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in tree_flatten(rt.parameters())}
 
@@ -127,7 +137,7 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, seed, case):
     np.testing.assert_allclose(np.array(hl_fused), np.array(hl), rtol=1e-3, atol=1e-3)
     # Saving the loaded model again writes the same tensors.
     back.save(tmp_path / "again")
-    f1, f2 = load_file(tmp_path / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    f1, f2 = saved(tmp_path), saved(tmp_path / "again")
     assert f1.keys() == f2.keys() and all(np.array_equal(f1[k], f2[k]) for k in f1)
 
 
@@ -136,7 +146,7 @@ def test_stored_head_norms_follow_layout_convention(tmp_path, seed, case):
     family, layout = case
     rt = randomized(family, layout, seed)
     rt.save(tmp_path)
-    stored = load_file(tmp_path / "model.safetensors")
+    stored = saved(tmp_path)
     n = rt.config["num_hidden_layers"]
     norm_keys = head_norm_keys(layout, family, n)
     pre = head_prefix(layout, n)
@@ -160,7 +170,7 @@ def test_stored_head_norms_follow_layout_convention(tmp_path, seed, case):
 def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp_path, seed):
     rt = randomized("qwen3_next", "qwen3_next", seed)
     rt.save(tmp_path / "a")
-    weights = load_file(tmp_path / "a" / "model.safetensors")
+    weights = saved(tmp_path / "a")
     rng = np.random.default_rng(seed + 1)
     keys = head_norm_keys("qwen3_next", "qwen3_next", rt.config["num_hidden_layers"])
     # A checkpoint as published: small zero-centred values, full float32 precision.
@@ -173,7 +183,7 @@ def test_zero_centred_head_norms_of_a_checkpoint_load_plus_one_and_save_back(tmp
     back = mtplx_ext.load(src)
     check_norm_scales(back, weights, keys, 1.0, seed)
     back.save(tmp_path / "b")
-    again = load_file(tmp_path / "b" / "model.safetensors")
+    again = saved(tmp_path / "b")
     assert again.keys() == weights.keys()
     assert all(np.array_equal(again[k], weights[k]) for k in weights)
 
@@ -213,7 +223,7 @@ def test_tied_embedding_model_round_trips_and_mlx_lm_reads_it(tmp_path, seed):
 def test_hf_expert_head_weights_are_stacked_on_load(tmp_path, seed, family):
     rt = randomized(family, "qwen3_next", seed, num_experts=4, num_experts_per_tok=2)
     rt.save(tmp_path / "a")
-    w = load_file(tmp_path / "a" / "model.safetensors")
+    w = saved(tmp_path / "a")
     pre = "mtp.layers.0.mlp."
     sw = {p: w.pop(f"{pre}switch_mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")}
     if family == "qwen3_next":  # one tensor per expert, as Qwen3-Next stores them
@@ -249,7 +259,7 @@ def test_nested_text_config_loads_like_flat_config(tmp_path, seed):
 def test_deepseek_head_block_in_hf_form_is_converted_like_the_trunk(tmp_path, seed):
     rt = randomized("deepseek_v3", "deepseek", seed)
     rt.save(tmp_path / "a")
-    w = load_file(tmp_path / "a" / "model.safetensors")
+    w = saved(tmp_path / "a")
     cfg = rt.config
     n, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     pre = f"model.layers.{n}."
@@ -320,7 +330,8 @@ def test_bad_folders_and_configs_raise_clear_errors(tmp_path, seed):
         d.mkdir()
         (d / "config.json").write_text(json.dumps(config))
         if weights:
-            (d / "model.safetensors").write_bytes((good / "model.safetensors").read_bytes())
+            for f in good.glob("*.safetensors"):
+                (d / f.name).write_bytes(f.read_bytes())
         return d
 
     with pytest.raises(ValueError, match="model_type"):
@@ -338,3 +349,153 @@ def test_bad_folders_and_configs_raise_clear_errors(tmp_path, seed):
     (good / "model-00002-of-00002.safetensors").write_bytes(b"")
     with pytest.raises(FileExistsError, match="other weight files"):
         rt.save(good)
+
+
+# -- bad inputs: each a one-line error naming the field, key or file ----------------------------
+
+
+@pytest.fixture()
+def good_folder(tmp_path, seed) -> Path:
+    rt = randomized("qwen3", "qwen3_next", seed)
+    from tokenizers import Tokenizer, models as tok_models
+
+    rt.tokenizer = Tokenizer(tok_models.WordLevel({f"w{i}": i for i in range(8)}, unk_token="w0"))
+    rt.save(tmp_path / "good")
+    return tmp_path / "good"
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    for k, v in changes.items():
+        if v is _DROP:
+            cfg.pop(k)
+        else:
+            cfg[k] = v
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": _DROP}, r"config\.json: required field 'hidden_size' is missing"),
+        ({"vocab_size": "512"}, r"config\.json: vocab_size must be a positive integer, got '512'"),
+        ({"num_attention_heads": 0}, r"config\.json: num_attention_heads must be a positive integer, got 0"),
+        ({"num_key_value_heads": 0}, r"num_key_value_heads must be a positive integer"),
+        ({"rope_theta": -10000.0}, r"config\.json: rope_theta must be a positive finite number"),
+        ({"rms_norm_eps": float("nan")}, r"rms_norm_eps must be a positive finite number"),
+    ],
+    ids=["no-hidden-size", "string-vocab", "zero-heads", "zero-kv-heads", "negative-rope-theta", "nan-eps"],
+)
+def test_bad_config_fields_raise_one_line_errors_naming_the_field(good_folder, changes, message):
+    _edit_config(good_folder, **changes)
+    with pytest.raises(mtplx_ext.CheckpointError, match=message) as info:
+        mtplx_ext.load(good_folder)
+    assert "\n" not in str(info.value)
+
+
+def test_config_naming_a_head_without_mtp_weights_says_so_and_names_mtp_from(good_folder):
+    (good_folder / "mtp.safetensors").unlink()
+    (good_folder / "model.safetensors.index.json").unlink()
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"names MTP head layout 'qwen3_next'.*no MTP head tensors.*--mtp-from"):
+        mtplx_ext.load(good_folder)
+
+
+def test_partial_head_names_the_missing_head_tensors(good_folder):
+    w = load_file(good_folder / "mtp.safetensors")
+    w.pop("mtp.fc.weight")
+    save_file(w, good_folder / "mtp.safetensors")
+    (good_folder / "model.safetensors.index.json").unlink()
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"MTP head .* missing 1 tensor\(s\): mtp\.fc\.weight"):
+        mtplx_ext.load(good_folder)
+
+
+def test_wrong_shape_tensor_names_its_checkpoint_key(good_folder):
+    w = load_file(good_folder / "mtp.safetensors")
+    w["mtp.pre_fc_norm_hidden.weight"] = w["mtp.pre_fc_norm_hidden.weight"][:-1].copy()
+    save_file(w, good_folder / "mtp.safetensors")
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"'mtp\.pre_fc_norm_hidden\.weight' has shape"):
+        mtplx_ext.load(good_folder)
+
+
+def test_broken_tokenizer_json_names_the_file(good_folder):
+    (good_folder / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"tokenizer\.json is not a valid tokenizer file"):
+        mtplx_ext.load(good_folder)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"], ids=["empty", "bad-header"])
+def test_unreadable_safetensors_file_names_the_file(good_folder, content):
+    (good_folder / "mtp.safetensors").write_bytes(content)
+    with pytest.raises(mtplx_ext.CheckpointError, match=r"mtp\.safetensors is not a"):
+        mtplx_ext.load(good_folder)
+
+
+def test_shard_named_in_the_index_but_missing_names_the_shard(good_folder):
+    (good_folder / "mtp.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"names shard 'mtp\.safetensors', which is missing"):
+        mtplx_ext.load(good_folder)
+
+
+@pytest.mark.parametrize("corruption", ["empty-weights", "broken-tokenizer", "string-vocab"])
+def test_cli_on_a_corrupt_model_folder_prints_one_error_line_and_exits_2(good_folder, capsys, corruption):
+    from mtplx_ext import cli
+
+    if corruption == "empty-weights":
+        (good_folder / "model.safetensors").write_bytes(b"")
+    elif corruption == "broken-tokenizer":
+        (good_folder / "tokenizer.json").write_text("{")
+    else:
+        _edit_config(good_folder, vocab_size="512")
+    assert cli.main(["generate", "w1 w2", "--model", str(good_folder), "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("mtplx-ext: error: ") and "Traceback" not in "".join(err)
+
+
+# -- quantized folders ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", list(mtplx_ext.checkpoint.SMALL_CONFIGS))
+def test_init_random_quantized_round_trips_and_mlx_lm_reads_the_trunk_strictly(tmp_path, seed, family):
+    rt = mtplx_ext.init_random(family, seed=seed, quantize={"bits": 4, "group_size": 32})
+    assert any(hasattr(m, "scales") for _, m in rt.head.named_modules())
+    rt.save(tmp_path)
+    back = mtplx_ext.load(tmp_path, fuse_cpu_ops=False)
+    a, b = params_np(rt), params_np(back)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8)) for k in a)
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 6)), dtype=mx.int32)
+    (l1, h1), (l2, h2) = rt.forward(tokens), back.forward(tokens)
+    assert mx.array_equal(l1, l2).item()
+    assert mx.array_equal(rt.head_forward(h1, tokens), back.head_forward(h2, tokens)).item()
+    model, _ = load_model(Path(tmp_path), strict=True)
+    assert mx.array_equal(model(tokens), l1).item()
+
+
+def test_folder_written_by_mlx_lm_with_per_layer_overrides_loads_with_its_logits(tmp_path, seed):
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    rt = randomized("qwen3", None, seed)
+    rt.save(tmp_path / "float")
+    model, config = load_model(tmp_path / "float")
+
+    def predicate(path, module):  # mlx-lm's per-layer form: a dict, or False to keep a layer in float
+        if path.startswith("model.layers.0."):
+            return {"group_size": 32, "bits": 8}
+        if path.endswith("mlp.down_proj"):
+            return False
+        return True
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        model, config = quantize_model(model, config, 32, 4, quant_predicate=predicate)
+    save_model(tmp_path / "q", model)
+    save_config(config, tmp_path / "q" / "config.json")
+    q = json.loads((tmp_path / "q" / "config.json").read_text())["quantization"]
+    assert q["model.layers.0.self_attn.q_proj"] == {"group_size": 32, "bits": 8}
+    back = mtplx_ext.load(tmp_path / "q", fuse_cpu_ops=False)
+    bits = {n: m.bits for n, m in back.trunk.named_modules() if hasattr(m, "scales")}
+    assert bits["model.layers.0.self_attn.q_proj"] == 8 and bits["model.layers.1.self_attn.q_proj"] == 4
+    assert "model.layers.1.mlp.down_proj" not in bits
+    tokens = mx.array(np.random.default_rng(seed).integers(0, rt.vocab_size, (2, 6)), dtype=mx.int32)
+    assert mx.array_equal(model(tokens), back.forward(tokens)[0]).item()

@@ -83,8 +83,8 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
     vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
     real = policies.verify_sampled_chain
 
-    def residual_not_renormalised(*args, **kw):  # variant 1 of the chain primitive (test-only)
-        return real(*args, **kw, _variant=1)
+    def accept_against_the_next_target(*args, **kw):  # variant 3 of the chain primitive (test-only)
+        return real(*args, **kw, _variant=3)
 
     for _ in range(5):
         rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
@@ -94,7 +94,7 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
         if acc > 0.2:  # a head that drafts usefully: rejection draws matter
             break
     with monkeypatch.context() as m:
-        m.setattr(policies, "verify_sampled_chain", residual_not_renormalised)
+        m.setattr(policies, "verify_sampled_chain", accept_against_the_next_target)
         broken, _ = first_two(rt, prompt, cfg, seeds, mtp=True)
     assert pair_pvalue(rt, prompt, cfg, broken) < ALPHA
 

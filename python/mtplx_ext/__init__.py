@@ -18,7 +18,7 @@ from mtplx_ext.sampled import sample_tokens, verify_sampled, verify_sampled_chai
 from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
 from mtplx_ext.compiled_step import CompiledStep  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
-from mtplx_ext.checkpoint import init_random, load  # noqa: E402
+from mtplx_ext.checkpoint import CheckpointError, init_random, load  # noqa: E402
 from mtplx_ext.fused import (  # noqa: E402
     AttentionPatch,
     FusedRMSNorm,
@@ -54,6 +54,7 @@ __all__ = [
     "generate_batched",
     "generate_greedy_batched",
     "BLAS",
+    "CheckpointError",
     "CompiledStep",
     "MTPRuntime",
     "RaggedKVCache",

@@ -10,6 +10,10 @@ import numpy as np
 LOGIT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
+class CheckpointError(ValueError):
+    """A model folder, config or tensor that cannot be loaded (one-line message)."""
+
+
 def require_array(name: str, value: object) -> mx.array:
     """Returns `value` if it is an mx.array, else raises TypeError naming it."""
     if not isinstance(value, mx.array):

@@ -1,9 +1,15 @@
 """Loading, saving and randomly initialising MTP runtimes.
 
 A model folder is Hugging Face-style: config.json, one or more
-*.safetensors files and, optionally, tokenizer.json. The trunk is stored
-as mlx-lm stores it (so `mlx_lm.utils.load_model(path, strict=False)` reads
-it); the head under its layout's checkpoint names and conventions.
+*.safetensors files (with `model.safetensors.index.json` when sharded) and,
+optionally, tokenizer.json. `save` writes the trunk as mlx-lm stores it, in
+`model*.safetensors` (so `mlx_lm.load` reads it, strictly), and the head under
+its layout's checkpoint names and conventions in `mtp.safetensors`, a file
+mlx-lm's loader does not read. Quantized folders carry mlx-lm's
+`quantization` config; see `mtplx_ext.quantize`.
+
+Every problem with a folder raises `CheckpointError` (a `ValueError`) or a
+`FileNotFoundError`, in one line naming the file, field or tensor.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,12 +25,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from mtplx_ext import models
-from mtplx_ext._checks import SEED_LIMIT, as_int
+from mtplx_ext import quantize as quant
+from mtplx_ext._checks import SEED_LIMIT, CheckpointError, as_int
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import take_prefixed
 from mtplx_ext.runtime import MTPRuntime
 
 _DEFAULT = object()
+
+#: The head's own weight file: mlx-lm reads `model*.safetensors` only.
+HEAD_FILE = "mtp.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 # Small configs for tests: fast on two CPU cores, float32.
 _SMALL_COMMON = {
@@ -130,35 +141,242 @@ def _read_config(path: Path) -> dict:
         raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
     try:
         config = json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg} is not valid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
     if not isinstance(config, dict) or "model_type" not in config:
-        raise ValueError(f"{cfg} has no model_type field")
+        raise CheckpointError(f"{cfg} has no model_type field")
     return config
+
+
+# Fields every trunk family needs; mlx-lm would otherwise fail deep inside a
+# constructor or silently use a dataclass default (Qwen3.5 has 4096 for H).
+_REQUIRED_INTS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_OPTIONAL_INTS = ("num_key_value_heads", "intermediate_size", "head_dim", "moe_intermediate_size")
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def check_config(config: dict, where: str = "config") -> None:
+    """Checks the fields the trunk and head are built from, before anything is built.
+
+    Raises:
+        CheckpointError: naming `where` and the field.
+    """
+    text = trunk_lib.text_config(config)
+    for name in _REQUIRED_INTS + _OPTIONAL_INTS:
+        if name not in text:
+            if name in _REQUIRED_INTS:
+                raise CheckpointError(f"{where}: required field {name!r} is missing")
+            continue
+        v = text[name]
+        if v is None and name in _OPTIONAL_INTS:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise CheckpointError(f"{where}: {name} must be a positive integer, got {v!r}")
+    thetas = [("rope_theta", text.get("rope_theta"))]
+    for nest in ("rope_parameters", "rope_scaling"):
+        if isinstance(text.get(nest), dict):
+            thetas.append((f"{nest}.rope_theta", text[nest].get("rope_theta")))
+    for name, v in thetas:
+        if v is not None and not _positive_number(v):
+            raise CheckpointError(f"{where}: {name} must be a positive finite number, got {v!r}")
+    eps = text.get("rms_norm_eps")
+    if eps is not None and not _positive_number(eps):
+        raise CheckpointError(f"{where}: rms_norm_eps must be a positive finite number, got {eps!r}")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def read_safetensors(file: Path) -> dict[str, mx.array]:
+    """Tensors of one safetensors file (loaded lazily by MLX).
+
+    Raises:
+        CheckpointError: naming the file when it is empty or not safetensors.
+    """
+    size = file.stat().st_size
+    if size < 8:
+        raise CheckpointError(
+            f"{file} is not a safetensors file: {size} bytes (the format starts with an 8-byte header length)"
+        )
+    try:
+        return mx.load(str(file))
+    except Exception as e:  # MLX raises a bare RuntimeError / ValueError on a bad header
+        raise CheckpointError(f"{file} is not a readable safetensors file: {_one_line(e)}") from None
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a folder: those its index names, else all of them.
+
+    With `model.safetensors.index.json` exactly the files it names are read
+    (Hugging Face repositories may hold other, unlisted copies), plus the
+    head file `save` writes.
+
+    Raises:
+        FileNotFoundError: no weights, or a shard the index names is absent.
+        CheckpointError: an unreadable index.
+    """
+    index = path / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(read_index(path).values()))
+        for n in names:
+            if not (path / n).is_file():
+                raise FileNotFoundError(f"{index} names shard {n!r}, which is missing from the folder")
+        if (path / HEAD_FILE).is_file() and HEAD_FILE not in names:
+            names.append(HEAD_FILE)
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {str(path)!r} has no *.safetensors files")
+    return files
+
+
+def read_index(path: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file) of a folder's index."""
+    index = path / INDEX_FILE
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+        raise CheckpointError(f"{index} has no weight_map of tensor name -> shard file")
+    for k, v in wm.items():
+        if Path(v).name != v or not v.endswith(".safetensors"):
+            raise CheckpointError(f"{index}: tensor {k!r} maps to {v!r}, not a safetensors file in the folder")
+    return wm
+
+
+def read_weights(
+    path: Path, files: list[Path] | None = None, progress: Callable[[Any], Any] | None = None
+) -> dict[str, mx.array]:
+    """All tensors of a folder's weight files, checked against its index.
+
+    Args:
+        path: the model folder.
+        files: the files to read (default: `weight_files(path)`).
+        progress: wraps the file list (e.g. a progress bar).
+
+    Raises:
+        CheckpointError: an unreadable file, a tensor the index puts in a
+            shard that lacks it, or a tensor stored twice.
+    """
+    files = weight_files(path) if files is None else files
+    index = read_index(path) if (path / INDEX_FILE).is_file() else None
+    weights: dict[str, mx.array] = {}
+    for f in progress(files) if progress else files:
+        part = read_safetensors(f)
+        twice = next((k for k in part if k in weights), None)
+        if twice is not None:
+            raise CheckpointError(f"tensor {twice!r} is stored twice, the second time in {f}")
+        weights.update(part)
+        if index is not None:
+            lost = next((k for k, v in index.items() if v == f.name and k not in part), None)
+            if lost is not None:
+                raise CheckpointError(f"{path / INDEX_FILE} puts tensor {lost!r} in {f.name}, which does not hold it")
+    return weights
+
+
+def read_tokenizer(path: Path) -> Any:
+    """The folder's tokenizer.json as a `tokenizers.Tokenizer`, or None."""
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise CheckpointError(f"{file} is not a valid tokenizer file: {_one_line(e)}") from None
+
+
+def load_strict(module: nn.Module, weights: dict[str, mx.array], what: str, name_of: Callable[[str], str]) -> None:
+    """`load_weights(strict=True)` with errors naming checkpoint keys.
+
+    Raises:
+        CheckpointError: missing, unexpected or wrongly shaped tensors.
+    """
+    expected = dict(tree_flatten(module.parameters()))
+    missing = [name_of(k) for k in expected if k not in weights]
+    extra = [name_of(k) for k in weights if k not in expected]
+
+    def listing(keys: list[str]) -> str:
+        return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
+
+    if missing:
+        raise CheckpointError(f"{what} is missing {len(missing)} tensor(s): {listing(missing)}")
+    if extra:
+        raise CheckpointError(f"{what}: unexpected tensor(s) {listing(extra)}")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(expected[k].shape):
+            raise CheckpointError(
+                f"{what}: tensor {name_of(k)!r} has shape {tuple(v.shape)}, expected {tuple(expected[k].shape)}"
+            )
+    module.load_weights(list(weights.items()), strict=True)
+
+
+def head_checkpoint_name(head: Any, module_path: str) -> str:
+    """Checkpoint name of a head module (its weight's key without `.weight`)."""
+    return head.to_checkpoint_name(module_path + ".weight")[: -len(".weight")]
+
+
+def _declared_mtp_layers(config: dict) -> int:
+    text = trunk_lib.text_config(config)
+    n = text.get("num_nextn_predict_layers") or text.get("mtp_num_hidden_layers") or 0
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
 def build_runtime(
     config: dict,
     weights: dict[str, mx.array] | None = None,
     tokenizer: Any = None,
+    *,
+    where: str = "config",
 ) -> MTPRuntime:
     """Builds the trunk and head a config describes, optionally loading weights.
 
     Args:
         config: full config; `mtp_head_layout` picks the head (detected from
-            the weight names when absent; None or "none" for no head).
+            the weight names when absent; None or "none" for no head). A
+            `quantization` entry (mlx-lm's) quantizes the layers whose
+            weights are stored quantized, head included.
         weights: checkpoint tensors under checkpoint names, or None to keep
             the random initialisation.
         tokenizer: attached to the runtime as is.
+        where: names the config's source in error messages.
 
     Returns:
         The runtime, parameters evaluated.
+
+    Raises:
+        CheckpointError: a config or weights that do not fit, in one line.
     """
-    if config.get("quantization") or config.get("quantization_config"):
-        raise NotImplementedError("quantized checkpoints are not supported yet")
+    check_config(config, where)
+    if "quantization" in config:
+        quant.check_config_quantization(config, where)
+    elif config.get("quantization_config"):
+        qc = config["quantization_config"]
+        method = qc.get("quant_method") if isinstance(qc, dict) else qc
+        if method != "fp8":
+            raise CheckpointError(
+                f"{where}: quantization_config (quant_method {method!r}) is a Hugging Face quantization; "
+                "only mlx-lm's `quantization` and block-fp8 checkpoints are read"
+            )
+        # Block-fp8 (DeepSeek-V3 / R1): the family's sanitize dequantizes the
+        # `weight_scale_inv` pairs, as mlx-lm's load does; the runtime is float.
+        config = {k: v for k, v in config.items() if k != "quantization_config"}
+    quantization = config.get("quantization")
     arch = trunk_lib.trunk_module(config["model_type"])
-    trunk = arch.Model(arch.ModelArgs.from_dict(config))
+    try:
+        trunk = arch.Model(arch.ModelArgs.from_dict(config))
+    except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{where} does not describe an mlx-lm {config['model_type']} model: {_one_line(e)}") from None
     layout = config.get("mtp_head_layout", _DEFAULT)
+    named = layout is not _DEFAULT and layout not in (None, "none")
     if layout is _DEFAULT:
         layout = models.detect_layout(weights or {}, config)
     if layout in (None, "none"):
@@ -169,11 +387,21 @@ def build_runtime(
     if weights is not None:
         weights = dict(weights)
         if head is not None:
-            head_w = head.sanitize(take_prefixed(weights, head.prefix))
-            head.load_weights(list(head_w.items()), strict=True)
+            raw = take_prefixed(weights, head.prefix)
+            if not raw and named:
+                raise CheckpointError(
+                    f"{where} names MTP head layout {layout!r} but the weights hold no MTP head tensors "
+                    f"({head.prefix}*); add them with `mtplx-ext convert --mtp-from HF_FOLDER MLX_FOLDER OUT`"
+                )
+            head_w = head.sanitize(raw)
+            if quantization is not None:
+                quant.quantize_for_load(head, quantization, head_w, lambda p: head_checkpoint_name(head, p))
+            load_strict(head, head_w, f"MTP head ({layout}, {head.prefix}*)", head.to_checkpoint_name)
         if hasattr(trunk, "sanitize"):
             weights = trunk.sanitize(weights)
-        trunk.load_weights(list(weights.items()), strict=True)
+        if quantization is not None:
+            quant.quantize_for_load(trunk, quantization, weights)
+        load_strict(trunk, weights, "trunk weights", lambda k: k)
     config = {**config, "mtp_head_layout": layout if head is not None else None}
     if head is not None:
         config["mtp_hidden_source"] = head.args.hidden_source
@@ -183,11 +411,12 @@ def build_runtime(
 
 
 def load(path: str | Path, *, fuse_cpu_ops: bool = True) -> MTPRuntime:
-    """Loads a Hugging Face-style model folder into an MTP runtime.
+    """Loads a Hugging Face-style or mlx-lm model folder into an MTP runtime.
 
     Args:
-        path: folder with config.json, *.safetensors and optionally
-            tokenizer.json.
+        path: folder with config.json, *.safetensors (sharded with
+            model.safetensors.index.json, quantized as mlx-lm quantizes, or
+            neither) and optionally tokenizer.json.
         fuse_cpu_ops: swap RMSNorm / RoPE modules for single-node fused ones
             and route attention through the fused op while decoding
             (`MTPRuntime.fuse_cpu_ops`; on a GPU stream they run `mx.fast`).
@@ -197,29 +426,23 @@ def load(path: str | Path, *, fuse_cpu_ops: bool = True) -> MTPRuntime:
 
     Raises:
         FileNotFoundError / NotADirectoryError: missing folder, config or weights.
-        ValueError: unknown model_type or head layout, mismatching weights.
+        CheckpointError (a ValueError): unknown model_type or head layout,
+            bad config fields, unreadable files, mismatching weights.
     """
     path = Path(path)
     config = _read_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"model folder {str(path)!r} has no *.safetensors files")
-    weights: dict[str, mx.array] = {}
-    for f in files:
-        weights.update(mx.load(str(f)))
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    runtime = build_runtime(config, weights, tokenizer)
+    where = str(path / "config.json")
+    check_config(config, where)
+    weights = read_weights(path)
+    tokenizer = read_tokenizer(path)
+    runtime = build_runtime(config, weights, tokenizer, where=where)
     if fuse_cpu_ops:
         runtime.fuse_cpu_ops()
     return runtime
 
 
 def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
-    """Writes config.json, model.safetensors and tokenizer.json (if any).
+    """Writes config.json, model.safetensors (trunk), mtp.safetensors (head), the index and tokenizer.json.
 
     Raises:
         FileExistsError: if the folder already holds other *.safetensors
@@ -227,22 +450,54 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    stale = [f.name for f in path.glob("*.safetensors") if f.name != "model.safetensors"]
+    trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
+    head_w = runtime.head.checkpoint_weights() if runtime.head is not None else {}
+    ours = {name for name, _ in trunk_shards(trunk_w)} | ({HEAD_FILE} if head_w else set())
+    stale = sorted(f.name for f in path.glob("*.safetensors") if f.name not in ours)
     if stale:
         raise FileExistsError(f"{str(path)!r} already holds other weight files: {stale}")
-    weights = dict(tree_flatten(runtime.trunk.parameters()))
-    if runtime.head is not None:
-        weights.update(runtime.head.checkpoint_weights())
-    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    write_weights(path, trunk_w, head_w)
     config = dict(runtime.config)
     config["mtp_head_layout"] = runtime.head_layout
     if runtime.head is not None:
         config["mtp_hidden_source"] = runtime.hidden_source
     else:
         config.pop("mtp_hidden_source", None)
-    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_config(path, config)
     if runtime.tokenizer is not None:
         runtime.tokenizer.save(str(path / "tokenizer.json"))
+
+
+def trunk_shards(trunk_w: dict[str, mx.array]) -> list[tuple[str, dict[str, mx.array]]]:
+    """(file name, tensors) of the trunk's shards, split and named as mlx-lm's `save_model` does."""
+    from mlx_lm.utils import make_shards
+
+    shards = make_shards(trunk_w) or [{}]
+    if len(shards) == 1:
+        return [("model.safetensors", shards[0])]
+    return [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sh) for i, sh in enumerate(shards)]
+
+
+def write_weights(path: Path, trunk_w: dict[str, mx.array], head_w: dict[str, mx.array]) -> None:
+    """The trunk's tensors in model*.safetensors, the head's in mtp.safetensors, and the index."""
+    wm = {}
+    for name, shard in trunk_shards(trunk_w):
+        mx.save_safetensors(str(path / name), shard, metadata={"format": "mlx"})
+        wm.update({k: name for k in shard})
+    if head_w:
+        mx.save_safetensors(str(path / HEAD_FILE), head_w, metadata={"format": "mlx"})
+    wm.update({k: HEAD_FILE for k in head_w})
+    total = sum(v.nbytes for v in (*trunk_w.values(), *head_w.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_config(path: Path, config: dict) -> None:
+    """config.json, with mlx-lm's `quantization_config` mirror of `quantization`."""
+    config = dict(config)
+    if "quantization" in config:
+        config["quantization_config"] = config["quantization"]
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _spread_init(runtime: MTPRuntime, std: float) -> None:
@@ -263,6 +518,7 @@ def init_random(
     *,
     head_layout: str | None | object = _DEFAULT,
     fuse_cpu_ops: bool = False,
+    quantize: dict | None = None,
     **config_overrides: Any,
 ) -> MTPRuntime:
     """Makes a small random model of a family, float32, fast on a CPU.
@@ -275,6 +531,9 @@ def init_random(
             head; defaults to the family's own layout.
         fuse_cpu_ops: as in `load` (off by default here, so that random
             test models are exactly mlx-lm's modules).
+        quantize: quantize trunk and head as `convert -q` does, e.g.
+            {"bits": 4, "group_size": 32}; also "mtp_bits" (None: float
+            head) and "keep_fusion_float" (see `quantize.quantize_runtime`).
         **config_overrides: any config field (hidden_size, vocab_size, ...).
 
     Returns:
@@ -303,6 +562,8 @@ def init_random(
     hidden = int(trunk_lib.text_config(config)["hidden_size"])
     _spread_init(runtime, std=1.0 / math.sqrt(max(1, hidden // 16)))
     mx.eval(runtime.parameters())
+    if quantize is not None:
+        quant.quantize_runtime(runtime, **quantize)
     if fuse_cpu_ops:
         runtime.fuse_cpu_ops()
     return runtime

@@ -55,6 +55,7 @@ class MTPHead(nn.Module):
 
     layout: str = ""
     prefix: str = ""
+    fusion_module: str = ""
 
     def __init__(self, args: HeadArgs, trunk: nn.Module):
         super().__init__()

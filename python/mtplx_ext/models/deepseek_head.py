@@ -65,6 +65,7 @@ class Model(FlatBlockHead):
     layout = LAYOUT
     own_modules = ("enorm", "hnorm", "eh_proj", "shared_head")
     ignored_modules = ("embed_tokens",)
+    fusion_module = "eh_proj"  # the [H, 2H] projection of the concatenation
 
     def __init__(self, args: ModelArgs, trunk: nn.Module):
         super().__init__(args, trunk, prefix=f"model.layers.{args.num_hidden_layers}.")

@@ -44,6 +44,7 @@ def detect(weights: dict, config: dict) -> bool:
 class Model(FlatBlockHead):
     layout = LAYOUT
     own_modules = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
+    fusion_module = "input_proj"  # the [H, 2H] projection of the concatenation
 
     def __init__(self, args: ModelArgs, trunk: nn.Module):
         super().__init__(args, trunk, prefix=PREFIX)

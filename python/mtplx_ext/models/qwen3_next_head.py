@@ -49,6 +49,7 @@ def detect(weights: dict, config: dict) -> bool:
 class Model(MTPHead):
     layout = LAYOUT
     prefix = PREFIX
+    fusion_module = "fc"  # the [H, 2H] projection of the concatenation
 
     def __init__(self, args: ModelArgs, trunk: nn.Module):
         super().__init__(args, trunk)
