@@ -286,3 +286,32 @@ def test_compiled_decoding_equals_eager_decoding_for_any_batch(
     assert [s.tokens for s in compiled.streams] == [s.tokens for s in eager.streams]
     assert [s.finish_reason for s in compiled.streams] == [s.finish_reason for s in eager.streams]
     assert (compiled.cycles, compiled.forwards, compiled.accepted) == (eager.cycles, eager.forwards, eager.accepted)
+
+
+@pytest.mark.parametrize("kw", [dict(depth=3), dict(reject_mode="reforward", depth=2), dict(use_mtp_draft=False)])
+def test_a_later_decode_of_the_same_shapes_replays_the_steps_and_keeps_its_own_tokens(kw):
+    # Steps are kept between decodes of one runtime: another batch of the
+    # same shapes (other prompts and paddings) must replay them without
+    # Python building a forward, and still decode its own prompts; new
+    # weights must make them trace again.
+    rng = np.random.default_rng()
+    counting = CountingForwards(mtplx_ext.init_random("qwen3", seed=fresh_seed()))
+    V = counting.vocab_size
+    width = int(rng.integers(6, 10))
+
+    def batch() -> list[list[int]]:
+        lengths = [width] + rng.integers(1, width + 1, size=2).tolist()
+        return [rng.integers(0, V, size=int(n)).tolist() for n in lengths]
+
+    def both(prompts):
+        eager = generate_greedy_batched(counting.rt, prompts, max_new_tokens=12, enforce_eager=True, **kw)
+        before = counting.calls
+        r = generate_greedy_batched(counting, prompts, max_new_tokens=12, **kw)
+        assert [s.tokens for s in r.streams] == [s.tokens for s in eager.streams]
+        return counting.calls - before
+
+    # The prefill (one forward here) is always built in Python.
+    assert both(batch()) > 1
+    assert both(batch()) == 1, "a decode of the same shapes built its steps again"
+    counting.rt.update(mtplx_ext.init_random("qwen3", seed=fresh_seed()).parameters())  # new weights
+    assert both(batch()) > 1, "steps traced with the old weights were replayed"

@@ -65,9 +65,31 @@ class CompiledStep:
         holders: Sequence[tuple[Any, str]] = (),
         grow_step: int = 256,
     ):
-        self._layers: list[RaggedKVCache] = []
-        self._positions: list[RaggedPositions] = []
-        self._recurrent: list[ArraysCache] = []
+        self._grow_step = as_int("grow_step", grow_step, lo=1)
+        self.traces = 0
+        self._n_out = 0
+        self._tuple_out = False
+        self.bind(fn, cache_lists, holders)
+        self._compiled = mx.compile(self._traced)
+
+    def bind(
+        self, fn: Callable[..., Any], cache_lists: Sequence[Sequence[Any]], holders: Sequence[tuple[Any, str]] = ()
+    ) -> None:
+        """Points the step at new caches and holders of the same structure.
+
+        The compiled graph is kept: calls with inputs of the shapes seen
+        before replay it without tracing again (a later decode of the same
+        model, batch and kind of step). `fn` must build the graph the
+        replaced one built, on the new caches (it runs again only if a new
+        input shape makes `mx.compile` trace).
+
+        Raises:
+            ValueError: naming a layer that is not such a cache, or a holder
+                attribute that is not an array.
+        """
+        layers: list[RaggedKVCache] = []
+        positions: list[RaggedPositions] = []
+        recurrent: list[ArraysCache] = []
         for i, caches in enumerate(cache_lists):
             for j, c in enumerate(caches):
                 if isinstance(c, ArraysCache):
@@ -76,7 +98,7 @@ class CompiledStep:
                             f"cache_lists[{i}][{j}] (ArraysCache) is still in its prompt phase "
                             "(empty state or a padding mask: run the prefill and finish_prefill first)"
                         )
-                    self._recurrent.append(c)
+                    recurrent.append(c)
                     continue
                 if not isinstance(c, RaggedKVCache) or c.positions.capacity is None:
                     raise ValueError(
@@ -85,20 +107,22 @@ class CompiledStep:
                     )
                 if c.keys is None:
                     raise ValueError(f"cache_lists[{i}][{j}] is not allocated yet (run the prefill first)")
-                self._layers.append(c)
-                if all(p is not c.positions for p in self._positions):
-                    self._positions.append(c.positions)
-                    c.positions.host_bound = False  # replays move the ends without Python
+                layers.append(c)
+                if all(p is not c.positions for p in positions):
+                    positions.append(c.positions)
         for obj, name in holders:
             if not isinstance(getattr(obj, name, None), mx.array):
                 raise ValueError(f"holder {type(obj).__name__}.{name} is not an mx.array")
+        for p in positions:
+            p.host_bound = False  # replays move the ends without Python
+        self._layers, self._positions, self._recurrent = layers, positions, recurrent
         self._holders = list(holders)
         self._fn = fn
-        self._grow_step = as_int("grow_step", grow_step, lo=1)
-        self.traces = 0
-        self._n_out = 0
-        self._tuple_out = False
-        self._compiled = mx.compile(self._traced)
+
+    def release(self) -> None:
+        """Drops the references to the bound caches, holders and `fn` (their memory can go)."""
+        self._layers, self._positions, self._recurrent, self._holders = [], [], [], []
+        self._fn = None
 
     def state(self) -> list[mx.array]:
         """The arrays the step takes and returns (new handles: safe to keep)."""
@@ -111,9 +135,12 @@ class CompiledStep:
     def _state(self) -> list[mx.array]:
         # The last-slot arrays only pass through: as inputs, MLX never bakes
         # their value into a fused kernel (which it would recompile per value).
+        # Left paddings are inputs too: a replay for another batch of the
+        # same shape (`bind`) must not keep the traced batch's paddings.
         return (
             [p.ends for p in self._positions]
             + [p.last_slot for p in self._positions]
+            + [p.left_padding for p in self._positions]
             + [a for c in self._layers for a in (c.keys, c.values)]
             + [a for c in self._recurrent for a in c.cache]
             + [getattr(obj, name) for obj, name in self._holders]
@@ -122,10 +149,10 @@ class CompiledStep:
     def _load(self, state: Sequence[mx.array]) -> None:
         n = len(self._positions)
         for i, p in enumerate(self._positions):
-            p.load(state[i], state[n + i])
+            p.load(state[i], state[n + i], state[2 * n + i])
         for i, c in enumerate(self._layers):
-            c.keys, c.values = state[2 * n + 2 * i], state[2 * n + 2 * i + 1]
-        base = 2 * n + 2 * len(self._layers)
+            c.keys, c.values = state[3 * n + 2 * i], state[3 * n + 2 * i + 1]
+        base = 3 * n + 2 * len(self._layers)
         for c in self._recurrent:
             k = len(c.cache)
             c.cache = list(state[base : base + k])

@@ -72,9 +72,11 @@ class RaggedPositions:
         self.capacity = capacity
         self.last_slot = mx.full(self.last_slot.shape, capacity - 1, mx.int32)
 
-    def load(self, ends: mx.array, last_slot: mx.array | None) -> None:
+    def load(self, ends: mx.array, last_slot: mx.array | None, left_padding: mx.array | None = None) -> None:
         """Takes device state from outside (a compiled step's inputs or outputs)."""
         self.ends, self.last_slot = ends, last_slot
+        if left_padding is not None:
+            self.left_padding = left_padding
         self._offset = None  # derived from the old ends
 
     def offset(self) -> mx.array:

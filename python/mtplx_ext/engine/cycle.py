@@ -27,11 +27,13 @@ wrote.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from mtplx_ext import cache_state
 from mtplx_ext.compiled_step import CompiledStep
@@ -41,6 +43,14 @@ from mtplx_ext.engine import bundle as chain
 PREFILL_STEP = 2048
 #: Cache slots compiled steps start with after the prompt, and grow by.
 COMPILED_GROW_STEP = 256
+#: Compiled steps kept between decodes (least recently used dropped first).
+STEP_CACHE_SIZE = 32
+
+# key -> (runtime, CompiledStep): a later decode of the same runtime (same
+# weights), mode, depth and policy kind rebinds a step instead of tracing it
+# again (tracing a depth-5 cycle costs tens of milliseconds). Holding the
+# runtime keeps its id from being reused by another object while cached.
+_STEPS: OrderedDict[tuple, tuple[Any, CompiledStep]] = OrderedDict()
 
 
 def model_tokens(tokens: mx.array) -> mx.array:
@@ -232,12 +242,35 @@ class Cycle:
         # The snapshot's layout, from snapshot_recurrent itself (its arrays
         # stay lazy and are dropped unevaluated).
         self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if self.recurrent else []
-        self.compiled = {k: self._compile(u) for k, u in units.items()}
+        self._sig = self._signature()
+        self.compiled = {k: self._compile(k, u) for k, u in units.items()}
         # All kinds share one state: any of them can reserve, save or load it.
         self._shared = next(iter(self.compiled.values()))
 
-    def _compile(self, unit: Any) -> CompiledStep:
-        return CompiledStep(unit, self.caches(), self._holders, grow_step=COMPILED_GROW_STEP)
+    def _signature(self) -> tuple:
+        """What decides a compiled step's graph besides its kind and input shapes."""
+        weights = tuple(id(a) for _, a in tree_flatten(self.rt.parameters()))
+        policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "_penalties", None))
+        layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
+        return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP)
+
+    def _compile(self, kind: str, unit: Any) -> CompiledStep:
+        key = self._sig + (kind,)
+        hit = _STEPS.get(key)
+        if hit is not None:
+            _STEPS.move_to_end(key)
+            hit[1].bind(unit, self.caches(), self._holders)
+            return hit[1]
+        step = CompiledStep(unit, self.caches(), self._holders, grow_step=COMPILED_GROW_STEP)
+        _STEPS[key] = (self.rt, step)
+        while len(_STEPS) > STEP_CACHE_SIZE:
+            _STEPS.popitem(last=False)
+        return step
+
+    def release(self) -> None:
+        """Unbinds the compiled steps from this decode's caches (kept for the next decode)."""
+        for step in (self.compiled or {}).values():
+            step.release()
 
     def _stream_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
         # Cycle `step`'s verification, then the drafts for cycle step + 1.
@@ -277,7 +310,7 @@ class Cycle:
         """
         assert self.compiled is not None
         if kind not in self.compiled:  # "repair{r}", traced when first needed
-            self.compiled[kind] = self._compile(self._repair_unit(int(kind[len("repair") :])))
+            self.compiled[kind] = self._compile(kind, self._repair_unit(int(kind[len("repair") :])))
         self.reserve(slots)
         out = self.compiled[kind](mx.array(step, dtype=mx.uint32), *args)
         if kind == "plain":

@@ -205,7 +205,10 @@ def _generate(
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
-    run_cycles(cyc, st, first, mtp, serial)
+    try:
+        run_cycles(cyc, st, first, mtp, serial)
+    finally:
+        cyc.release()
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
     return st.result
