@@ -225,3 +225,33 @@ def test_the_depth_test_rejects_a_chain_that_tests_acceptance_against_the_next_t
     seqs = np.array([s.tokens for s in res.streams])
     idx = np.ravel_multi_index(tuple(seqs.T), (V,) * 3)
     assert g_test_pvalue(np.bincount(idx, minlength=V**3), expected_chain_joint(rt, prompt, cfg, 3)) < ALPHA
+
+
+class NaNHead:
+    """A runtime whose MTP head's logits are all NaN (a broken head checkpoint)."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def head_logits(self, normed):
+        logits = self.rt.head_logits(normed)
+        return logits + mx.array(float("nan"), logits.dtype)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_nan_mtp_head_only_loses_its_drafts_and_never_blames_the_target(rng, depth, sampled):
+    # A broken head is a bad proposal: every draft is rejected and the
+    # stream goes on from the target's own tokens, greedy or sampled.
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=64)
+    prompts = [rng.integers(0, 64, size=int(n)).tolist() for n in rng.integers(1, 8, size=3)]
+    kw = dict(sampler=SamplerConfig(temperature=1.0, top_p=0.9, presence_penalty=0.3), row_seeds=[1, 2, 3]) if sampled else {}
+    r = mtplx_ext.generate_batched(NaNHead(rt), prompts, max_new_tokens=10, depth=depth, **kw)
+    assert r.accepted == 0 and r.drafted > 0
+    assert all(len(s.tokens) == 10 and all(0 <= t < 64 for t in s.tokens) for s in r.streams)
+    if not sampled:  # greedy: exactly the target's own decoding
+        plain = mtplx_ext.generate_batched(rt, prompts, max_new_tokens=10, use_mtp_draft=False)
+        assert [s.tokens for s in r.streams] == [s.tokens for s in plain.streams]
