@@ -223,8 +223,11 @@ def commit_streams(caches: Sequence[Any], accepted: mx.array, depth: int, captur
         keep = c[0].shape[1]  # conv window: kernel size - 1 inputs
         rows = (n + 1)[:, None] + mx.arange(keep, dtype=mx.int32)[None]
         c[0] = mx.take_along_axis(lc.conv_input, rows[..., None], axis=1)
-        at = n.reshape((-1,) + (1,) * (lc.states.ndim - 1))
-        c[1] = mx.take_along_axis(lc.states, at, axis=1).squeeze(1)
+        # Whole-row gather of [B * T, ...] (one contiguous state per stream):
+        # about 10x faster than take_along_axis over the T axis on the CPU.
+        B, T = lc.states.shape[:2]
+        flat = lc.states.reshape((B * T,) + tuple(lc.states.shape[2:]))
+        c[1] = mx.take(flat, mx.arange(B, dtype=mx.int32) * T + n, axis=0)
 
 
 def finish_prefill(caches: Sequence[Any]) -> None:
