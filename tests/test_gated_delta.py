@@ -160,15 +160,27 @@ def test_capture_reads_strided_inputs_and_broadcast_gates(rng):
     assert_within(f64(states), rs, TOL[mx.float32], "states")
 
 
-def test_large_chunk_runs_on_the_worker_pool_and_matches_one_thread(rng):
-    from mtplx_ext import _ext  # noqa: F401
+def test_a_large_chunk_on_the_worker_pool_equals_one_thread_bit_for_bit(rng):
+    # Rows are independent jobs: the thread count must not change a bit.
+    from mtplx_ext import _ext
 
     B, T, Hk, Hv, Dk, Dv = 4, 4, 2, 8, 64, 64
     ins = make_inputs(rng, B, T, Hk, Hv, Dk, Dv)
-    y, states = gated_delta_capture(*ins, stream=mx.cpu)
+    outs = {}
+    try:
+        for n in (1, 4):
+            _ext._set_cpu_threads(n)
+            before = _ext._cpu_pool_jobs()
+            y, states = gated_delta_capture(*ins, stream=mx.cpu)
+            mx.eval(y, states)
+            outs[n] = (np.array(y), np.array(states), _ext._cpu_pool_jobs() - before)
+    finally:
+        _ext._set_cpu_threads(0)
+    assert outs[1][2] == 0
+    np.testing.assert_array_equal(outs[1][0], outs[4][0])
+    np.testing.assert_array_equal(outs[1][1], outs[4][1])
     ry, rs = reference(*ins)
-    assert_within(f64(states), rs, TOL[mx.float32], "states")
-    assert_within(f64(y), ry, TOL[mx.float32], "y")
+    assert_within(f64(mx.array(outs[4][1])), rs, TOL[mx.float32], "states")
 
 
 def bad(**over):

@@ -152,15 +152,10 @@ def _gates(a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array, lower_b
     return g, beta
 
 
-def _fits(q: mx.array, v: mx.array, mask: Any, g_ndim: int = 3) -> bool:
-    return (
-        mask is None
-        and q.ndim == 4
-        and q.shape[-1] <= MAX_KEY_DIM
-        and q.dtype in LOGIT_DTYPES
-        and v.dtype == q.dtype
-        and g_ndim == 3
-    )
+def _fits(q: mx.array, v: mx.array, mask: Any) -> bool:
+    # What the kernels take; anything else (padding masks in a ragged
+    # prefill) stays on mlx-lm's path.
+    return mask is None and q.ndim == 4 and q.shape[-1] <= MAX_KEY_DIM and q.dtype in LOGIT_DTYPES and v.dtype == q.dtype
 
 
 def _make_router(original: Callable) -> Callable:
