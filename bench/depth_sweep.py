@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--plot", help="PNG: tokens/s and acceptance per depth (needs matplotlib)")
     args = ap.parse_args()
     depths = sorted({int(d) for d in args.depth.split(",")})
     rt = mtplx_ext.load(args.model)
@@ -160,6 +161,36 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+
+
+def plot(report: dict, path: str) -> None:
+    """Tokens/s x plain (with the bound) and per-depth acceptance, one panel each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for batch, b in report["batches"].items():
+        ds = [r["depth"] for r in b["depths"]]
+        line = ax.plot(ds, [r["x_plain"] for r in b["depths"]], "o-", label=f"batch {batch}: measured")[0]
+        ax.plot(ds, [r["bound"] for r in b["depths"]], "--", color=line.get_color(), label=f"batch {batch}: bound")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("depth K (drafts per cycle)")
+    ax.set_ylabel("MTP tokens/s / plain tokens/s")
+    ax.legend(fontsize=8)
+    deepest = max(report["batches"].values(), key=lambda b: len(b["depths"]))["depths"]
+    for r in deepest:
+        bx.plot(range(1, r["depth"] + 1), r["acceptance_per_depth"], "o-", label=f"K = {r['depth']}")
+    bx.set_xlabel("draft position i")
+    bx.set_ylabel("accepted / reached at position i")
+    bx.set_ylim(0, 1)
+    bx.legend(fontsize=8)
+    fig.suptitle("shipped model, held-out prompts, greedy, MLX CPU backend")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

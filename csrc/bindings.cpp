@@ -73,6 +73,18 @@ NB_MODULE(_ext, m) {
       nb::kw_only(),
       "stream"_a = nb::none());
 
+  m.def(
+      "gated_delta_capture",
+      &mtplx::gated_delta_capture,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+
   mtplx::bind_sampling(m);
   mtplx::bind_fused(m);
 }

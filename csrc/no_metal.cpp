@@ -50,4 +50,10 @@ void VerifySampledChain::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   no_gpu_kernel("verify_sampled_chain");
 }
 
+void GatedDeltaCapture::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  no_gpu_kernel("gated_delta_capture");
+}
+
 } // namespace mtplx

@@ -34,4 +34,16 @@ std::vector<mx::array> restore_state(
     const std::optional<mx::array>& row_mask,
     mx::StreamOrDevice s = {});
 
+// Gated delta rule over q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta
+// [B, T, Hv], state [B, Hv, Dv, Dk] -> (y [B, T, Hv, Dv], states
+// [B, T, Hv, Dv, Dk]): the state after every position.
+std::vector<mx::array> gated_delta_capture(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& g,
+    const mx::array& beta,
+    const mx::array& state,
+    mx::StreamOrDevice s = {});
+
 } // namespace mtplx

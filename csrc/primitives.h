@@ -108,4 +108,31 @@ class RestoreState : public mx::Primitive {
   bool masked_;
 };
 
+// Gated delta rule over a [B, T] chunk that also captures the recurrent state
+// after every position (rules in metal/gated_delta_rules.h). Inputs, row
+// contiguous: q, k [B, T, Hk, Dk] and v [B, T, Hv, Dv] (one float dtype),
+// g, beta [B, T, Hv] float32, state [B, Hv, Dv, Dk] (a float dtype).
+// Outputs: y [B, T, Hv, Dv] in q's dtype, states [B, T, Hv, Dv, Dk] in the
+// state's dtype (states[:, T - 1] is the chunk's final state).
+class GatedDeltaCapture : public mx::Primitive {
+ public:
+  explicit GatedDeltaCapture(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "GatedDeltaCapture";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+};
+
 } // namespace mtplx

@@ -13,13 +13,15 @@ import mtplx_ext
 TIE_TOL = 1e-4
 
 #: (trunk, reject_mode): per-stream rollback (attention-only trunk), the
-#: uniform repair of the same trunk, and the uniform repair a hybrid needs.
+#: uniform repair of the same trunk, and per-stream commit of a hybrid
+#: (captured recurrent states).
 MODES = [("qwen3", "repair"), ("qwen3", "reforward"), ("qwen3_next", "repair")]
 
 
 def rolls_back(model_type: str, reject_mode: str) -> bool:
-    """Whether the loop rolls streams back on their own (no repair forward)."""
-    return reject_mode == "repair" and model_type != "qwen3_next"
+    """Whether the loop commits streams on their own (no repair forward):
+    "repair" on every trunk family (hybrids select captured states)."""
+    return reject_mode == "repair"
 
 
 def _rng() -> np.random.Generator:

@@ -240,8 +240,9 @@ def test_pipelined_guess_of_the_next_path_is_undone_when_wrong():
     cap = 2 * len(pattern) + 1
     refs = [reference(rt, p, cap) for p in prompts]
     head = ScriptedHead(rt, [r[0] for r in refs], prompts, "pattern", rng, pattern=pattern)
-    serial = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=True)
-    piped = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=False)
+    # Uniform repair (per-stream commit never guesses a path).
+    serial = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=True, reject_mode="reforward")
+    piped = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=False, reject_mode="reforward")
     exact = True
     for r in (serial, piped):
         check_counters(r, True)
@@ -307,7 +308,9 @@ def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_dr
     for mode in ("oracle", "wrong"):
         rec = StateRecorder(ScriptedHead(rt, [r[0] for r in refs], prompts, mode, rng))
         # Eager: the recorder reads the state on the host at every forward.
-        r = generate_greedy_batched(rec, prompts, max_new_tokens=cap, serial=True, enforce_eager=True)
+        r = generate_greedy_batched(
+            rec, prompts, max_new_tokens=cap, serial=True, enforce_eager=True, reject_mode="reforward"
+        )
         runs[mode] = (r, rec.states)
         for i, s in enumerate(r.streams):
             exact &= check_stream(i, s, *refs[i], set(), cap)

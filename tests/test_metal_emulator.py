@@ -42,6 +42,7 @@ COVERED_ELSEWHERE = {
     "verify_sampled_*": "test_sampling_fused.py",
     "verify_greedy_chain_*": "test_chain_verify.py",
     "verify_sampled_chain_*": "test_chain_verify.py",
+    "gated_delta_capture_*": "test_gated_delta.py",
 }
 
 

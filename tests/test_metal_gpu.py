@@ -90,3 +90,22 @@ def test_restore_state_gpu_equals_cpu(rng, masked):
     cpu = mtplx_ext.restore_state(live, snap, mask, stream=mx.cpu)
     for g, c in zip(gpu, cpu):
         assert _bytes(g) == _bytes(c)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 2, 4, 9])
+def test_gated_delta_capture_gpu_equals_cpu_and_mlx_lm_kernel(rng, T, dtype):
+    # mlx-lm's Metal kernel (Dk a multiple of 32) gives the last state and y.
+    from mlx_lm.models.gated_delta import gated_delta_kernel
+    from test_gated_delta import TOL, f64, make_inputs, within
+
+    for B, Hk, Hv, Dk, Dv in ((2, 2, 4, 128, 128), (3, 1, 2, 64, 12), (1, 2, 2, 13, 7)):
+        ins = make_inputs(rng, B, T, Hk, Hv, Dk, Dv, dtype)
+        gy, gs = mtplx_ext.gated_delta_capture(*ins, stream=mx.gpu)
+        cy, cs = mtplx_ext.gated_delta_capture(*ins, stream=mx.cpu)
+        assert within(f64(gy), f64(cy), TOL[dtype]) and within(f64(gs), f64(cs), TOL[mx.float32])
+        if Dk % 32 == 0:
+            with mx.stream(mx.gpu):
+                ky, ks = gated_delta_kernel(*ins)
+            assert within(f64(gy), f64(ky), TOL[dtype])
+            assert within(f64(gs[:, -1]), f64(ks), TOL[mx.float32])

@@ -16,6 +16,7 @@ from mtplx_ext.verify import verify_greedy, verify_greedy_chain  # noqa: E402
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
 from mtplx_ext.sampled import sample_tokens, verify_sampled, verify_sampled_chain  # noqa: E402
 from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
+from mtplx_ext.gated_delta import gated_delta_capture, route_gated_delta  # noqa: E402
 from mtplx_ext.compiled_step import CompiledStep  # noqa: E402
 from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import CheckpointError, init_random, load  # noqa: E402
@@ -58,6 +59,8 @@ __all__ = [
     "CompiledStep",
     "MTPRuntime",
     "RaggedKVCache",
+    "gated_delta_capture",
+    "route_gated_delta",
     "init_random",
     "load",
     "SamplerConfig",

@@ -147,6 +147,11 @@ def recurrent_leaves(caches: Sequence[Any]) -> list[mx.array]:
     ]
 
 
+def recurrent_caches(caches: Sequence[Any]) -> list[Any]:
+    """The recurrent layers' caches, in layer order."""
+    return [c for _, c in _flat(caches) if is_recurrent_cache(c)]
+
+
 def trim_kv(caches: Sequence[Any], n: int) -> None:
     """Drops the last `n` tokens of every trimmable layer.
 
@@ -182,6 +187,47 @@ def rollback_streams(caches: Sequence[Any], counts: mx.array) -> None:
             raise ValueError(f"caches[{name}] ({type(c).__name__}) cannot roll back single streams")
     for _, c in flat:
         c.rollback(counts)
+
+
+def commit_streams(caches: Sequence[Any], accepted: mx.array, depth: int, capture: Any) -> None:
+    """Per-stream commit of a captured [B, depth + 1] verification (device-side).
+
+    Stream b keeps its first accepted[b] + 1 new tokens: KV layers drop the
+    other depth - accepted[b] slots (`RaggedKVCache.rollback`), recurrent
+    layers take the recurrent state captured after token accepted[b] and the
+    conv window of the convolution input ending there. Nothing is re-run and
+    nothing is read on the host.
+
+    Args:
+        caches: the trunk's caches: `RaggedKVCache` and `ArraysCache` layers.
+        accepted: [B] int accepted drafts per stream, in [0, depth].
+        depth: drafts of the verification (it forwarded depth + 1 tokens).
+        capture: the forward's `gated_delta.Capture` (unused without
+            recurrent layers).
+
+    Raises:
+        ValueError: naming a layer that cannot commit per stream.
+        KeyError: a recurrent layer the capture did not record.
+    """
+    flat = list(_flat(caches))
+    for name, c in flat:
+        if not isinstance(c, RaggedKVCache) and not (is_recurrent_cache(c) and capture is not None):
+            raise ValueError(f"caches[{name}] ({type(c).__name__}) cannot commit single streams")
+    n = accepted.astype(mx.int32)
+    dropped = depth - n
+    for _, c in flat:
+        if isinstance(c, RaggedKVCache):
+            c.rollback(dropped)
+            continue
+        lc = capture.of(c)
+        keep = c[0].shape[1]  # conv window: kernel size - 1 inputs
+        rows = (n + 1)[:, None] + mx.arange(keep, dtype=mx.int32)[None]
+        c[0] = mx.take_along_axis(lc.conv_input, rows[..., None], axis=1)
+        # Whole-row gather of [B * T, ...] (one contiguous state per stream):
+        # about 10x faster than take_along_axis over the T axis on the CPU.
+        B, T = lc.states.shape[:2]
+        flat = lc.states.reshape((B * T,) + tuple(lc.states.shape[2:]))
+        c[1] = mx.take(flat, mx.arange(B, dtype=mx.int32) * T + n, axis=0)
 
 
 def finish_prefill(caches: Sequence[Any]) -> None:

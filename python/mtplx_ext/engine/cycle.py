@@ -14,7 +14,11 @@ How a rejected draft is undone (the commit):
   moving its end slot on the device (`cache_state.rollback_streams`, no
   copy); it commits x0, d_1..d_n and goes on from c_{n+1}. No extra
   forward, and the next cycle is built from device arrays alone.
-* uniform repair (recurrent trunks, and `reject_mode="reforward"`): the host
+  On hybrid trunks the verification forward runs through
+  `gated_delta.capture`, which keeps every GatedDeltaNet layer's state after
+  each position and its conv input; the commit selects each stream's state
+  at its own n (`cache_state.commit_streams`): no snapshot, no re-forward.
+* uniform repair (`reject_mode="reforward"`): the host
   finds r, the tokens after x0 that every stream going on can commit (r = K
   when they all accepted every draft); below K the whole batch restores its
   recurrent snapshot, trims K + 1 KV slots and re-forwards [x0, c_1..c_r].
@@ -35,7 +39,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mtplx_ext import cache_state
+from mtplx_ext import cache_state, gated_delta
 from mtplx_ext.compiled_step import CompiledStep
 from mtplx_ext.engine import bundle as chain
 
@@ -70,6 +74,8 @@ class Pending:
     # built them (per-stream commit).
     next_tokens: mx.array | None = None
     next_info: Any = None
+    # Per-stream commit on hybrid trunks: the recurrent layers' captures.
+    capture: gated_delta.Capture | None = None
 
 
 class Cycle:
@@ -81,8 +87,9 @@ class Cycle:
         cache: the trunk's caches.
         head_cache: the head's caches, or None for plain decoding.
         depth: drafts per cycle (K).
-        per_stream: per-stream commit (attention-only trunks) instead of
-            uniform repair.
+        per_stream: per-stream commit instead of uniform repair (recurrent
+            layers are captured during verification; needs
+            `gated_delta.route_gated_delta()` active on hybrid trunks).
     """
 
     def __init__(
@@ -163,6 +170,10 @@ class Cycle:
 
     def verify(self, tokens: mx.array, info: Any, step: Any) -> Pending:
         """Snapshot (recurrent trunks), [B, K + 1] verification forward, chain bundle."""
+        if self.recurrent and self.per_stream:
+            with gated_delta.capture(cache_state.recurrent_caches(self.cache)) as cap:
+                logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
+            return Pending(self.policy.verify(logits, tokens, info, step), hidden, capture=cap)
         snap = cache_state.snapshot_recurrent(self.cache) if self.recurrent else None
         logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
         return Pending(self.policy.verify(logits, tokens, info, step), hidden, snap)
@@ -183,7 +194,10 @@ class Cycle:
         at = n[:, None, None]
         x0 = mx.take_along_axis(c, n[:, None], axis=1)[:, 0]
         dropped = self.depth - n
-        cache_state.rollback_streams(self.cache, dropped)
+        if p.capture is not None:
+            cache_state.commit_streams(self.cache, n, self.depth, p.capture)
+        else:
+            cache_state.rollback_streams(self.cache, dropped)
         cache_state.rollback_streams(self.head_cache, dropped)
         self.policy.commit(b, n)
         self.policy.set_next(x0)
@@ -241,7 +255,8 @@ class Cycle:
             units = {"first": self._first_unit, "accept": self._accept_unit}
         # The snapshot's layout, from snapshot_recurrent itself (its arrays
         # stay lazy and are dropped unevaluated).
-        self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if self.recurrent else []
+        uniform = self.recurrent and not self.per_stream
+        self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if uniform else []
         self._sig = self._signature()
         self.compiled = {k: self._compile(k, u) for k, u in units.items()}
         # All kinds share one state: any of them can reserve, save or load it.

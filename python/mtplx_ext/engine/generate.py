@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import wired_limit
 
+from mtplx_ext import gated_delta
 from mtplx_ext._checks import as_int, as_seed, as_seeds, is_int
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine.cycle import Cycle, Pending
@@ -99,9 +100,11 @@ def generate_batched(
             baseline), through the same runtime.
         depth: drafts per cycle, K in 1..8: the head applied K times, then
             one [B, K + 1] verification forward.
-        reject_mode: "repair": per-stream commit when the trunk is
-            attention-only (each stream keeps its accepted drafts, no extra
-            forward), else uniform repair; "reforward": always the uniform
+        reject_mode: "repair": per-stream commit (each stream keeps its
+            accepted drafts, no extra forward) on attention-only trunks and
+            on GatedDeltaNet hybrids (qwen3_next, qwen3_5: the recurrent
+            state is captured at every verified position and selected per
+            stream), else uniform repair; "reforward": always the uniform
             full-batch repair (snapshot restore, re-forward).
         serial: True runs the plain loop; False pipelines graph building
             and host bookkeeping with the device work. Same tokens and
@@ -139,9 +142,11 @@ def generate_batched(
 
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
-    with wired_limit(runtime), _fused_attention(runtime):
-        attention_only = not _has_recurrent_layers(runtime)
-        per_stream = mtp and reject_mode == "repair" and attention_only
+    recurrent = _has_recurrent_layers(runtime)
+    capturable = recurrent and _gated_delta_trunk(runtime)
+    per_stream = mtp and reject_mode == "repair" and (not recurrent or capturable)
+    route = capturable and (per_stream or getattr(runtime, "cpu_ops_fused", False))
+    with wired_limit(runtime), _fused_attention(runtime), _route_recurrent(route):
         compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
@@ -156,6 +161,23 @@ def _fused_attention(runtime: Any) -> Any:
 
         return patch_mlx_lm_attention()
     return contextlib.nullcontext()
+
+
+def _route_recurrent(route: bool) -> Any:
+    # GatedDeltaNet layers through the capture op (process-wide while decoding).
+    return gated_delta.route_gated_delta() if route else contextlib.nullcontext()
+
+
+def _gated_delta_trunk(runtime: Any) -> bool:
+    """Whether every recurrent layer is a GatedDeltaNet the capture routes."""
+    trunk = getattr(runtime, "trunk", None)
+    layers = getattr(getattr(trunk, "model", None), "layers", None)
+    if layers is None:
+        return False
+    rec = [l for l in layers if getattr(l, "is_linear", False)]
+    return bool(rec) and all(
+        hasattr(getattr(l, "linear_attn", None), "conv1d") and hasattr(l.linear_attn, "A_log") for l in rec
+    )
 
 
 def _has_recurrent_layers(runtime: Any) -> bool:
