@@ -250,7 +250,10 @@ def test_a_nan_mtp_head_only_loses_its_drafts_and_never_blames_the_target(rng, d
     prompts = [rng.integers(0, 64, size=int(n)).tolist() for n in rng.integers(1, 8, size=3)]
     kw = dict(sampler=SamplerConfig(temperature=1.0, top_p=0.9, presence_penalty=0.3), row_seeds=[1, 2, 3]) if sampled else {}
     r = mtplx_ext.generate_batched(NaNHead(rt), prompts, max_new_tokens=10, depth=depth, **kw)
-    assert r.accepted == 0 and r.drafted > 0
+    assert r.drafted > 0
+    # Sampled: an unusable q row rejects its draft. Greedy: the argmax of a
+    # NaN row is some token, right only by chance (the tokens say the rest).
+    assert r.accepted == 0 or not sampled
     assert all(len(s.tokens) == 10 and all(0 <= t < 64 for t in s.tokens) for s in r.streams)
     if not sampled:  # greedy: exactly the target's own decoding
         plain = mtplx_ext.generate_batched(rt, prompts, max_new_tokens=10, use_mtp_draft=False)
