@@ -368,7 +368,7 @@ class Engine:
         prompt = check_prompts([prompt], self.vocab)[0]
         max_tokens = as_int("max_tokens", max_tokens, lo=1)
         if sampler is None:
-            sampler = SamplerConfig()
+            sampler = SamplerConfig(temperature=0.0)
         if not isinstance(sampler, SamplerConfig):
             raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
         stop_ids = check_stop_ids(stop_token_ids, self.vocab)
