@@ -430,6 +430,11 @@ class Engine:
                         self._waiting.append(item)
                         self.counters["submitted"] += 1
             self._fail_all("the engine stopped")
+        # MLX keeps per-thread stream state; a thread that ends with it still
+        # set up makes the process abort at exit ("terminate called without
+        # an active exception", about half the runs here): drain and drop it.
+        mx.synchronize()
+        mx.clear_streams()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,31 @@ def eos_ids(runtime: Any) -> tuple[int, ...]:
         return ()
     ids = [tok.token_to_id(n) for n in ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>")]
     return tuple(sorted({i for i in ids if i is not None}))
+
+
+def _server_class() -> type:
+    import uvicorn  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, for which SIGINT / SIGTERM are the normal end (exit status 0).
+
+        uvicorn raises the caught signal again after its graceful shutdown;
+        here the shutdown is the whole point of the signal, so it is not.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
 
 
 def serve(
@@ -51,7 +80,7 @@ def serve(
               eos_ids(runtime))
     engine.start()
     try:
-        server = uvicorn.Server(uvicorn.Config(create_app(api), host=host, port=port, log_level=log_level))
+        server = _server_class()(uvicorn.Config(create_app(api), host=host, port=port, log_level=log_level))
         server.run()
     finally:
         engine.stop()
