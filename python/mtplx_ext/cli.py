@@ -791,7 +791,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="float weights' dtype (default: the config's torch_dtype, else as stored)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_convert)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible server with continuous MTP batching")
+    s.add_argument("--model", help="model folder (default: the shipped model)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    s.add_argument("--port", type=int, default=8080)
+    s.add_argument("--max-batch", type=_positive("--max-batch"), default=8, help="most streams decoding at once")
+    s.add_argument("--depth", type=_depth, default=1, help="MTP drafts per cycle, 1..8")
+    s.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding (the baseline)")
+    s.add_argument("--max-kv-slots", type=_positive("--max-kv-slots"), help="most KV slots of the running batch")
+    s.add_argument("--prefill-chunk", type=_positive("--prefill-chunk"), default=256)
+    s.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    s.set_defaults(func=cmd_serve)
     return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`mtplx-ext serve`: loads the model and serves it until SIGINT / SIGTERM."""
+    from mtplx_ext.serve import serve  # noqa: PLC0415
+
+    if not 0 <= args.port < 65536:
+        raise CLIError(f"--port must be in [0, 65535], got {args.port}")
+    rt = load_model(args.model, need_mtp=not args.no_mtp)
+    folder = Path(args.model) if args.model else SHIPPED_MODEL
+    try:
+        serve(rt, folder, host=args.host, port=args.port, max_batch=args.max_batch, depth=args.depth,
+              use_mtp=not args.no_mtp, api_key=args.api_key, max_kv_slots=args.max_kv_slots,
+              prefill_chunk=args.prefill_chunk)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ wrote.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,15 +148,31 @@ class Cycle:
         Returns:
             ([B, K + 1] (x0, d_1..d_K), draft info), or ([B, 1] x0, None) without a head.
         """
+        steps = self.prefill_steps(padded)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def prefill_steps(self, padded: mx.array, chunk: int = PREFILL_STEP) -> Generator[None, None, tuple[mx.array, Any]]:
+        """`prefill` one chunk of `chunk` prompt tokens per step: yields between chunks.
+
+        A scheduler runs decode cycles of other streams between the steps, so
+        a long prompt never stalls them for its whole prefill. The generator's
+        return value is `prefill`'s.
+        """
         T = padded.shape[1]
-        starts = list(range(0, T, PREFILL_STEP))
+        starts = list(range(0, T, chunk))
         for s in starts:
-            logits, hidden = self.rt.forward(padded[:, s : s + PREFILL_STEP], self.cache, last_logits_only=True)
+            logits, hidden = self.rt.forward(padded[:, s : s + chunk], self.cache, last_logits_only=True)
             # The head consumes (hidden at t, token t + 1); the last chunk's
             # final pair needs x0, so that chunk waits for it.
             if self.head_cache is not None and s != starts[-1]:
-                self.rt.head_states(hidden, padded[:, s + 1 : s + PREFILL_STEP + 1], self.head_cache)
+                self.rt.head_states(hidden, padded[:, s + 1 : s + chunk + 1], self.head_cache)
             mx.async_eval([c.state for cl in self.caches() for c in cl])
+            if s != starts[-1]:
+                yield
         x0 = self.policy.pick(logits[:, -1], 0)
         cache_state.finish_prefill(self.cache)
         if self.head_cache is None:

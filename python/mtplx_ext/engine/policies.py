@@ -106,7 +106,7 @@ class SampledPolicy:
     penalty; draft position i sees them plus x0 and d_1..d_{i-1}.
     """
 
-    state_attrs = ("counts", "x0", "_keys", "_params")
+    state_attrs = ("counts", "x0", "_keys", "_params", "step_base")
 
     def __init__(
         self,
@@ -133,6 +133,10 @@ class SampledPolicy:
         self.counts: mx.array | None = None
         self.x0: mx.array | None = None
         self.x0_is_bonus = False
+        # [B] uint32 cycle each row counts its steps from (None: the decode's
+        # own cycle). A scheduler that admits a stream at cycle g sets g - 1,
+        # so the stream draws the numbers it would draw decoded alone.
+        self.step_base: mx.array | None = None
 
     @property
     def configs(self) -> list[SamplerConfig] | SamplerConfig:
@@ -174,6 +178,8 @@ class SampledPolicy:
         Position 1 uses the single-draft decoder's keys.
         """
         step = step.astype(mx.uint32) if isinstance(step, mx.array) else mx.array(step, dtype=mx.uint32)
+        if self.step_base is not None:
+            step = step - self.step_base
         hi = self._keys[:, 0]
         if position > 1:
             hi = hi ^ mx.array((_POSITION_WORD * (position - 1)) & 0xFFFFFFFF, dtype=mx.uint32)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -21,8 +21,10 @@ class Streams:
     Args:
         n: streams.
         vocab_size: the model's vocabulary.
-        max_new_tokens: cap on each stream's generated tokens.
-        stop_ids: tokens that end a stream (kept).
+        max_new_tokens: cap on each stream's generated tokens (one for all,
+            or one per stream).
+        stop_ids: tokens that end a stream (kept); one set for all, or one
+            per stream.
         on_commit: callback(stream, new tokens) or None.
         depth: drafts per cycle (0 for plain decoding).
         per_stream: per-stream commit (a stream commits x0, d_1..d_n and its
@@ -34,8 +36,8 @@ class Streams:
         self,
         n: int,
         vocab_size: int,
-        max_new_tokens: int,
-        stop_ids: frozenset[int],
+        max_new_tokens: int | Sequence[int],
+        stop_ids: frozenset[int] | Sequence[frozenset[int]],
         on_commit: OnCommit | None,
         depth: int = 0,
         per_stream: bool = False,
@@ -47,8 +49,10 @@ class Streams:
         self.result = BatchedDecodeResult(
             streams=[StreamResult() for _ in range(n)], depth=depth, reached=[0] * depth, accepted_at=[0] * depth
         )
-        self.max_new = max_new_tokens
-        self.stop_ids = stop_ids
+        per_cap = not isinstance(max_new_tokens, int)
+        self.caps = np.array(max_new_tokens if per_cap else [max_new_tokens] * n, dtype=np.int64)
+        self.max_new = int(self.caps.max()) if n else 0
+        self.stops = list(stop_ids) if not isinstance(stop_ids, frozenset) else [stop_ids] * n
         self.on_commit = on_commit
         self.done = np.zeros(n, dtype=bool)
         self.count = np.zeros(n, dtype=np.int64)
@@ -69,9 +73,9 @@ class Streams:
             if not 0 <= t < self.vocab_size:
                 self._fail(i, f"token {t} outside the vocabulary (non-finite logits)")
             new.append(t)
-            if t in self.stop_ids:
+            if t in self.stops[i]:
                 return new, "stop"
-            if self.count[i] + len(new) >= self.max_new:
+            if self.count[i] + len(new) >= self.caps[i]:
                 return new, "length"
             if n is not None and j < self.depth and j <= n:
                 # The stream goes on after token j: draft j + 1 was checked.
@@ -86,7 +90,11 @@ class Streams:
 
     def decide_plain(self, b: np.ndarray) -> Commits:
         """[B, 1] next tokens of a plain step."""
-        return [self._take(int(i), *self._walk(int(i), [int(b[i, 0])], None)) for i in np.flatnonzero(~self.done)]
+        return [self.decide_plain_stream(b, int(i)) for i in np.flatnonzero(~self.done)]
+
+    def decide_plain_stream(self, b: np.ndarray, i: int) -> tuple[int, list[int], str | None]:
+        """What stream i commits from a plain step's [B, 1] tokens."""
+        return self._take(i, *self._walk(i, [int(b[i, 0])], None))
 
     def decide(self, b: np.ndarray) -> tuple[Commits, int | None]:
         """What each live stream commits from a [B, K + 3] chain bundle.
@@ -102,12 +110,7 @@ class Streams:
         K = self.depth
         live = np.flatnonzero(~self.done)
         if self.per_stream:
-            out = []
-            for i in live:
-                n = int(b[i, COL_N])
-                toks = [int(b[i, COL_X0])] + [int(t) for t in b[i, COL_TOKENS : COL_TOKENS + max(n, 0)]]
-                out.append(self._take(int(i), *self._walk(int(i), toks if n >= 0 else toks + [-1], n)))
-            return out, None
+            return [self.decide_stream(b, int(i)) for i in live], None
         # Uniform repair: a stream that goes on may commit c_1..c_{min(n+1, K)};
         # the batch commits as many as the one that may commit fewest.
         walked, r = [], K
@@ -122,6 +125,12 @@ class Streams:
         repair = any(reason is None and int(b[i, COL_N]) < K for i, _, reason in walked)
         out = [self._take(i, new if reason else new[: r + 1], reason) for i, new, reason in walked]
         return out, (r if repair else None)
+
+    def decide_stream(self, b: np.ndarray, i: int) -> tuple[int, list[int], str | None]:
+        """Per-stream commit: what stream i commits from a chain bundle (RuntimeError if invalid)."""
+        n = int(b[i, COL_N])
+        toks = [int(b[i, COL_X0])] + [int(t) for t in b[i, COL_TOKENS : COL_TOKENS + max(n, 0)]]
+        return self._take(i, *self._walk(i, toks if n >= 0 else toks + [-1], n))
 
     def _take(self, i: int, new: list[int], reason: str | None) -> tuple[int, list[int], str | None]:
         self.count[i] += len(new)
@@ -142,7 +151,7 @@ class Streams:
     def may_all_finish(self) -> bool:
         """Whether the in-flight cycle may bring every live stream to its cap."""
         live = ~self.done
-        return bool(np.all(self.count[live] + self.depth + 1 >= self.max_new))
+        return bool(np.all(self.count[live] + self.depth + 1 >= self.caps[live]))
 
     def any_live(self) -> bool:
         return not bool(self.done.all())
