@@ -124,6 +124,11 @@ class CompiledStep:
         self._layers, self._positions, self._recurrent, self._holders = [], [], [], []
         self._fn = None
 
+    @property
+    def released(self) -> bool:
+        """True after `release` until the next `bind`: free to serve another decode."""
+        return self._fn is None
+
     def state(self) -> list[mx.array]:
         """The arrays the step takes and returns (new handles: safe to keep)."""
         return [mx.array(a) for a in self._state()]

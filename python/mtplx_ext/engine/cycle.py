@@ -286,22 +286,27 @@ class Cycle:
         return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP)
 
     def _compile(self, kind: str, unit: Any) -> CompiledStep:
-        key = self._sig + (kind,)
-        hit = _STEPS.get(key)
-        if hit is not None:
-            _STEPS.move_to_end(key)
-            hit[1].bind(unit, self.caches(), self._holders)
-            return hit[1]
-        step = CompiledStep(unit, self.caches(), self._holders, grow_step=COMPILED_GROW_STEP)
-        _STEPS[key] = (self.rt, step)
-        while len(_STEPS) > STEP_CACHE_SIZE:
-            _STEPS.popitem(last=False)
-        return step
+        # A released step of an earlier decode, taken out of the cache: it
+        # is this Cycle's until `release` puts it back (another live Cycle,
+        # e.g. a scheduler's, never shares it).
+        kept = _STEPS.pop(self._sig + (kind,), None)
+        if kept is not None:
+            kept[1].bind(unit, self.caches(), self._holders)
+            return kept[1]
+        return CompiledStep(unit, self.caches(), self._holders, grow_step=COMPILED_GROW_STEP)
 
     def release(self) -> None:
-        """Unbinds the compiled steps from this decode's caches (kept for the next decode)."""
-        for step in (self.compiled or {}).values():
+        """Unbinds the compiled steps from this decode's caches and keeps them for the next decode.
+
+        Steps of a Cycle that is never released are not kept (nor the caches
+        they reference).
+        """
+        for kind, step in (self.compiled or {}).items():
             step.release()
+            _STEPS[self._sig + (kind,)] = (self.rt, step)
+        while len(_STEPS) > STEP_CACHE_SIZE:
+            _STEPS.popitem(last=False)
+        self.compiled = None
 
     def _stream_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
         # Cycle `step`'s verification, then the drafts for cycle step + 1.
