@@ -64,6 +64,50 @@ void check_cpu_threads(const mx::Stream& st) {
   }
 }
 
+// The draft logits of a sampled verification: `want` ([B, V] or
+// [B, K, V]) and the dtype of verify_logits.
+void check_draft_logits(
+    const mx::array& draft_logits,
+    const mx::array& verify_logits,
+    const mx::Shape& want,
+    const char* want_str) {
+  require_shape("draft_logits", draft_logits, want, want_str);
+  if (draft_logits.dtype() != verify_logits.dtype()) {
+    bad_arg("draft_logits must have the dtype of verify_logits");
+  }
+}
+
+void check_variant(int variant) {
+  if (variant < 0 || variant > 3) {
+    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
+  }
+}
+
+// The primitive inputs of a sampled verification (checked arguments):
+// verify_logits, draft_logits, tokens, uniforms, params[, counts].
+std::vector<mx::array> verify_inputs(
+    const mx::array& verify_logits,
+    const mx::array& draft_logits,
+    const mx::array& tokens,
+    const mx::array& uniforms,
+    const mx::array& params,
+    const std::optional<mx::array>& token_counts,
+    mx::Stream st) {
+  const int B = verify_logits.shape(0);
+  const int V = verify_logits.shape(2);
+  check_cpu_threads(st);
+  std::vector<mx::array> inputs = {
+      mx::contiguous(verify_logits, false, st),
+      mx::contiguous(draft_logits, false, st),
+      token_ids("tokens", tokens, st),
+      float_input("uniforms", uniforms, st),
+      float_input("params", params, st)};
+  if (token_counts) {
+    inputs.push_back(counts_input(*token_counts, B, V, st));
+  }
+  return inputs;
+}
+
 } // namespace
 
 mx::array sample_tokens(
@@ -135,27 +179,20 @@ mx::array verify_sampled(
   check_verify_logits(verify_logits);
   const int B = verify_logits.shape(0);
   const int V = verify_logits.shape(2);
-  require_shape("draft_logits", draft_logits, {B, V}, "[B, V]");
-  if (draft_logits.dtype() != verify_logits.dtype()) {
-    bad_arg("draft_logits must have the dtype of verify_logits");
-  }
+  check_draft_logits(draft_logits, verify_logits, {B, V}, "[B, V]");
   require_shape("tokens", tokens, {B, 2}, "[B, 2]");
   require_shape("uniforms", uniforms, {B, kUniformCols}, "[B, 3]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
-  if (variant < 0 || variant > 3) {
-    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
-  }
+  check_variant(variant);
   auto st = mx::to_stream(s);
-  check_cpu_threads(st);
-  std::vector<mx::array> inputs = {
-      mx::contiguous(verify_logits, false, st),
-      mx::contiguous(draft_logits, false, st),
-      token_ids("tokens", tokens, st),
-      float_input("uniforms", uniforms, st),
-      float_input("params", params, st)};
-  if (token_counts) {
-    inputs.push_back(counts_input(*token_counts, B, V, st));
-  }
+  auto inputs = verify_inputs(
+      verify_logits,
+      draft_logits,
+      tokens,
+      uniforms,
+      params,
+      token_counts,
+      st);
   return mx::array(
       {B, kBundleCols},
       mx::int32,
@@ -164,11 +201,6 @@ mx::array verify_sampled(
           token_counts.has_value(),
           static_cast<SamplingVariant>(variant)),
       std::move(inputs));
-}
-
-bool VerifySampled::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const VerifySampled&>(other);
-  return has_counts_ == o.has_counts_ && variant_ == o.variant_;
 }
 
 std::vector<mx::Shape> VerifySampled::output_shapes(
@@ -188,41 +220,29 @@ mx::array verify_sampled_chain(
   const int K = check_chain_logits(verify_logits, kMaxChainDrafts);
   const int B = verify_logits.shape(0);
   const int V = verify_logits.shape(2);
-  require_shape("draft_logits", draft_logits, {B, K, V}, "[B, K, V]");
-  if (draft_logits.dtype() != verify_logits.dtype()) {
-    bad_arg("draft_logits must have the dtype of verify_logits");
-  }
+  check_draft_logits(draft_logits, verify_logits, {B, K, V}, "[B, K, V]");
   require_shape("tokens", tokens, {B, K + 1}, "[B, K + 1]");
   require_shape("uniforms", uniforms, {B, K + 2}, "[B, K + 2]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
-  if (variant < 0 || variant > 3) {
-    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
-  }
+  check_variant(variant);
   auto st = mx::to_stream(s);
   if (variant != 0 && st.device != mx::Device::cpu) {
     bad_arg("variant (a test-only broken rule) runs on the CPU only");
   }
-  check_cpu_threads(st);
-  std::vector<mx::array> inputs = {
-      mx::contiguous(verify_logits, false, st),
-      mx::contiguous(draft_logits, false, st),
-      token_ids("tokens", tokens, st),
-      float_input("uniforms", uniforms, st),
-      float_input("params", params, st)};
-  if (token_counts) {
-    inputs.push_back(counts_input(*token_counts, B, V, st));
-  }
+  auto inputs = verify_inputs(
+      verify_logits,
+      draft_logits,
+      tokens,
+      uniforms,
+      params,
+      token_counts,
+      st);
   return mx::array(
       {B, K + 3},
       mx::int32,
       std::make_shared<VerifySampledChain>(
           st, token_counts.has_value(), static_cast<ChainVariant>(variant)),
       std::move(inputs));
-}
-
-bool VerifySampledChain::is_equivalent(const mx::Primitive& other) const {
-  auto& o = static_cast<const VerifySampledChain&>(other);
-  return has_counts_ == o.has_counts_ && variant_ == o.variant_;
 }
 
 std::vector<mx::Shape> VerifySampledChain::output_shapes(

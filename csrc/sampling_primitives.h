@@ -55,17 +55,42 @@ class SampleTokens : public mx::UnaryPrimitive {
   bool has_extra_;
 };
 
+// The state of a sampled verification primitive (verify_sampled and its
+// chain form): whether counts are an input, and the test-only variant.
+template <class Variant>
+class SampledVerifyPrimitive : public mx::UnaryPrimitive {
+ public:
+  SampledVerifyPrimitive(mx::Stream stream, bool has_counts, Variant variant)
+      : mx::UnaryPrimitive(stream),
+        has_counts_(has_counts),
+        variant_(variant) {}
+
+  // MLX compares only primitives of the same type (typeid) here.
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const SampledVerifyPrimitive&>(other);
+    return has_counts_ == o.has_counts_ && variant_ == o.variant_;
+  }
+
+  bool has_counts() const {
+    return has_counts_;
+  }
+  Variant variant() const {
+    return variant_;
+  }
+
+ protected:
+  bool has_counts_;
+  Variant variant_;
+};
+
 // Speculative verification of one sampled draft per row, packed into the
 // bundle. Inputs: verify_logits [B, 2, V], draft_logits [B, V] (same float
 // dtype), tokens [B, 2] (int32/int64), uniforms [B, kUniformCols] float32,
 // params [B, kParamCols] float32, then optionally counts [B, V] int32.
 // Output: bundle [B, 5] int32 (x0, draft, second, accept, bonus).
-class VerifySampled : public mx::UnaryPrimitive {
+class VerifySampled : public SampledVerifyPrimitive<SamplingVariant> {
  public:
-  VerifySampled(mx::Stream stream, bool has_counts, SamplingVariant variant)
-      : mx::UnaryPrimitive(stream),
-        has_counts_(has_counts),
-        variant_(variant) {}
+  using SampledVerifyPrimitive::SampledVerifyPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -73,20 +98,8 @@ class VerifySampled : public mx::UnaryPrimitive {
   const char* name() const override {
     return "VerifySampled";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
-
-  bool has_counts() const {
-    return has_counts_;
-  }
-  SamplingVariant variant() const {
-    return variant_;
-  }
-
- private:
-  bool has_counts_;
-  SamplingVariant variant_;
 };
 
 // Test-only deliberately wrong chain rules (CPU only), for the statistical
@@ -104,12 +117,9 @@ enum class ChainVariant : int {
 // [B, K + 2] float32 (u_accept_1..K, u_resample, u_bonus), params
 // [B, kParamCols] float32, then optionally counts [B, V] int32.
 // Output: the chain bundle [B, K + 3] int32 (layout in mtplx_rules.h).
-class VerifySampledChain : public mx::UnaryPrimitive {
+class VerifySampledChain : public SampledVerifyPrimitive<ChainVariant> {
  public:
-  VerifySampledChain(mx::Stream stream, bool has_counts, ChainVariant variant)
-      : mx::UnaryPrimitive(stream),
-        has_counts_(has_counts),
-        variant_(variant) {}
+  using SampledVerifyPrimitive::SampledVerifyPrimitive;
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -117,20 +127,8 @@ class VerifySampledChain : public mx::UnaryPrimitive {
   const char* name() const override {
     return "VerifySampledChain";
   }
-  bool is_equivalent(const mx::Primitive& other) const override;
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
-
-  bool has_counts() const {
-    return has_counts_;
-  }
-  ChainVariant variant() const {
-    return variant_;
-  }
-
- private:
-  bool has_counts_;
-  ChainVariant variant_;
 };
 
 } // namespace mtplx

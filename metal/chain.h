@@ -207,15 +207,7 @@ template <typename K, typename TokT>
           continue;
         }
       }
-      int t = kInvalid;
-      if (q_ok) {
-        t = draw_token<K>(rp, s, p, rq, s, q, true, ur, V, c);
-      }
-      if (t == kInvalid) {
-        // No residual mass (p == q up to rounding) or no usable q: from p.
-        t = draw_token<K>(rp, s, p, rp, s, p, false, ur, V, c);
-      }
-      out[i - 1] = t;
+      out[i - 1] = draw_rejected<K>(rp, s, p, rq, s, q, q_ok, ur, V, c);
       done = true;
     }
     if (n == KD) {

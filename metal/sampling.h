@@ -398,6 +398,31 @@ inline int draw_token(
   return pick == kIntMax ? last : pick;
 }
 
+// The token after a rejected draft: from the residual max(p - q, 0) where
+// q is usable (use_q), from p otherwise or where the residual has no mass
+// (p == q up to rounding). Uniform across the threadgroup.
+template <typename K>
+inline int draw_rejected(
+    LogitRow<K> rp,
+    SamplerRow sp,
+    DistCut p,
+    LogitRow<K> rq,
+    SamplerRow sq,
+    DistCut q,
+    bool use_q,
+    float u,
+    int V,
+    TgCtx c) {
+  int t = kInvalid;
+  if (use_q) {
+    t = draw_token<K>(rp, sp, p, rq, sq, q, true, u, V, c);
+  }
+  if (t == kInvalid) {
+    t = draw_token<K>(rp, sp, p, rp, sp, p, false, u, V, c);
+  }
+  return t;
+}
+
 template <typename K>
 inline float prob_of(LogitRow<K> r, SamplerRow s, DistCut d, int t) {
   return weight_at<K>(r, s, d, t) / d.total;
@@ -522,16 +547,9 @@ template <typename K, typename TokT>
           r1, s, p1, r1, s, p1, false, u[kUniformBonus], V, c);
     } else {
       accept = 0;
-      bool from_target = variant == 1 || !q.valid;
-      if (!from_target) {
-        second = draw_token<K>(
-            rp, sp, p, rq, sq, q, true, u[kUniformResample], V, c);
-      }
-      if (from_target || second == kInvalid) {
-        // No residual mass (p == q up to rounding): draw from p.
-        second = draw_token<K>(
-            rp, sp, p, rp, sp, p, false, u[kUniformResample], V, c);
-      }
+      const bool from_target = variant == 1 || !q.valid;
+      second = draw_rejected<K>(
+          rp, sp, p, rq, sq, q, !from_target, u[kUniformResample], V, c);
     }
   }
   if (tid == 0) {

@@ -362,23 +362,12 @@ MTPLX_FUSED_CLONES void attention_cpu(
 void FusedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  const bool has_mask = inputs.size() > 3;
-  enc.dispatch([q = mx::array::unsafe_weak_copy(inputs[0]),
-                k = mx::array::unsafe_weak_copy(inputs[1]),
-                v = mx::array::unsafe_weak_copy(inputs[2]),
-                m = mx::array::unsafe_weak_copy(inputs[has_mask ? 3 : 0]),
-                has_mask,
-                kind = mask_,
-                scale = scale_,
-                out = mx::array::unsafe_weak_copy(out)]() mutable {
-    attention_cpu(q, k, v, has_mask ? &m : nullptr, kind, scale, out);
-  });
+  auto job = [kind = mask_, scale = scale_](
+                 std::vector<mx::array>& in, mx::array& out) {
+    const mx::array* mask = in.size() > 3 ? &in[3] : nullptr;
+    attention_cpu(in[0], in[1], in[2], mask, kind, scale, out);
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/fused_common.h"
 #include "cpu/row_argmax.h"
 #include "cpu/row_jobs.h"
 #include "cpu/sampling.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mtplx_rules.h"
 #include "primitives.h"
 #include "sampling_primitives.h"
@@ -51,16 +51,9 @@ constexpr double kArgmaxNsPerLogit = 0.3;
 void VerifyGreedyChain::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto& logits = inputs[0];
-  auto& tokens = inputs[1];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(logits);
-  enc.set_input_array(tokens);
-  enc.set_output_array(out);
-  enc.dispatch([logits = mx::array::unsafe_weak_copy(logits),
-                tokens = mx::array::unsafe_weak_copy(tokens),
-                out = mx::array::unsafe_weak_copy(out)]() mutable {
+  auto job = [](std::vector<mx::array>& in, mx::array& out) {
+    const mx::array& logits = in[0];
+    const mx::array& tokens = in[1];
     const int B = logits.shape(0);
     const int T = logits.shape(1);
     const int K = T - 1;
@@ -101,26 +94,15 @@ void VerifyGreedyChain::eval_cpu(
     };
     const double cost = double(B) * T * V * kArgmaxNsPerLogit;
     cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
-  });
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 void VerifySampledChain::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  std::vector<mx::array> in;
-  for (auto& a : inputs) {
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  enc.dispatch([in = std::move(in),
-                out = mx::array::unsafe_weak_copy(out),
-                has_counts = has_counts_,
-                variant = variant_]() mutable {
+  auto job = [has_counts = has_counts_, variant = variant_](
+                 std::vector<mx::array>& in, mx::array& out) {
     auto& vl = in[0];
     auto& dl = in[1];
     auto& tokens = in[2];
@@ -223,7 +205,8 @@ void VerifySampledChain::eval_cpu(
       cost += (K + 2) * cpu::build_cost_ns(params + size_t(b) * kParamCols, V);
     }
     cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
-  });
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

@@ -1,16 +1,19 @@
 // Helpers shared by the CPU kernels of the fused ops (rms_norm, rope,
 // attention): float32 loads and stores of the three float dtypes, strided row
 // addressing, and 8-lane float vectors (GCC/Clang vector extensions: SSE2 in
-// the baseline build, AVX2 in the clone picked at load time).
+// the baseline build, AVX2 in the clone picked at load time). Also the
+// encoder glue every single-output eval_cpu shares (dispatch_cpu).
 #pragma once
 
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu/half_bits.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/types/half_types.h"
 
 // Portable wheels keep a baseline build; on x86-64 an AVX2 clone is picked at
@@ -25,6 +28,37 @@
 namespace mtplx::cpu {
 
 namespace mx = mlx::core;
+
+// Weak copies of arrays for a dispatched task: the encoder's registration
+// keeps the buffers alive until the task has run.
+inline std::vector<mx::array> weak_copies(const std::vector<mx::array>& arrays) {
+  std::vector<mx::array> out;
+  out.reserve(arrays.size());
+  for (auto& a : arrays) {
+    out.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  return out;
+}
+
+// The eval_cpu glue of a single-output primitive: allocates `out`,
+// registers every input and `out` with the stream's CPU encoder and
+// dispatches job(in, out) on weak copies of them.
+template <class Job>
+void dispatch_cpu(
+    const mx::Stream& stream,
+    const std::vector<mx::array>& inputs,
+    mx::array& out,
+    Job&& job) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  enc.set_output_array(out);
+  enc.dispatch([in = weak_copies(inputs),
+                out = mx::array::unsafe_weak_copy(out),
+                job = std::forward<Job>(job)]() mutable { job(in, out); });
+}
 
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));

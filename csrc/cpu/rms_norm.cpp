@@ -83,20 +83,11 @@ MTPLX_FUSED_CLONES void rms_norm_cpu(
 void FusedRMSNorm::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                w = has_weight_ ? mx::array::unsafe_weak_copy(inputs[1])
-                                : mx::array::unsafe_weak_copy(inputs[0]),
-                has_weight = has_weight_,
-                eps = eps_,
-                out = mx::array::unsafe_weak_copy(out)]() mutable {
-    rms_norm_cpu(x, has_weight ? &w : nullptr, eps, out);
-  });
+  auto job = [has_weight = has_weight_, eps = eps_](
+                 std::vector<mx::array>& in, mx::array& out) {
+    rms_norm_cpu(in[0], has_weight ? &in[1] : nullptr, eps, out);
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

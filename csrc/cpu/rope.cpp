@@ -122,17 +122,11 @@ MTPLX_FUSED_CLONES void rope_cpu(
 } // namespace
 
 void FusedRoPE::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(inputs[0]);
-  enc.set_input_array(inputs[1]);
-  enc.set_output_array(out);
-  enc.dispatch([x = mx::array::unsafe_weak_copy(inputs[0]),
-                offset = mx::array::unsafe_weak_copy(inputs[1]),
-                p = RopeParams{dims_, traditional_, base_, scale_},
-                out = mx::array::unsafe_weak_copy(out)]() mutable {
-    rope_cpu(x, offset, p, out);
-  });
+  auto job = [p = RopeParams{dims_, traditional_, base_, scale_}](
+                 std::vector<mx::array>& in, mx::array& out) {
+    rope_cpu(in[0], in[1], p, out);
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

@@ -10,11 +10,11 @@
 #include <cstring>
 #include <limits>
 
+#include "cpu/fused_common.h"
 #include "cpu/half_bits.h"
 #include "cpu/row_argmax.h"
 #include "cpu/row_jobs.h"
 #include "cpu/thread_pool.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mtplx_rules.h"
 #include "sampling_primitives.h"
 
@@ -1203,20 +1203,8 @@ using cpu::uniform_at;
 void SampleTokens::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  std::vector<mx::array> in;
-  for (auto& a : inputs) {
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  enc.dispatch([in = std::move(in),
-                out = mx::array::unsafe_weak_copy(out),
-                has_counts = has_counts_,
-                has_extra = has_extra_]() mutable {
+  auto job = [has_counts = has_counts_, has_extra = has_extra_](
+                 std::vector<mx::array>& in, mx::array& out) {
     auto& logits = in[0];
     const int B = logits.shape(0);
     const int V = logits.shape(1);
@@ -1253,26 +1241,15 @@ void SampleTokens::eval_cpu(
       cost += build_cost_ns(params + size_t(b) * kParamCols, V);
     }
     cpu::parallel_for(B, row_threads(B, cost), run_row, cost);
-  });
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 void VerifySampled::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  enc.set_output_array(out);
-  std::vector<mx::array> in;
-  for (auto& a : inputs) {
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  enc.dispatch([in = std::move(in),
-                out = mx::array::unsafe_weak_copy(out),
-                has_counts = has_counts_,
-                variant = variant_]() mutable {
+  auto job = [has_counts = has_counts_, variant = variant_](
+                 std::vector<mx::array>& in, mx::array& out) {
     auto& vl = in[0];
     auto& dl = in[1];
     auto& tokens = in[2];
@@ -1360,7 +1337,8 @@ void VerifySampled::eval_cpu(
       cost += 3 * build_cost_ns(params + size_t(b) * kParamCols, V);
     }
     cpu::parallel_for(B, row_threads(B, cost), run_row, cost);
-  });
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

@@ -1,22 +1,12 @@
 #include <cstring>
 
+#include "cpu/fused_common.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "primitives.h"
 
 namespace mtplx {
 
-namespace {
-
-std::vector<mx::array> weak_copies(const std::vector<mx::array>& arrays) {
-  std::vector<mx::array> out;
-  out.reserve(arrays.size());
-  for (auto& a : arrays) {
-    out.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  return out;
-}
-
-} // namespace
+using cpu::weak_copies;
 
 void SnapshotState::eval_cpu(
     const std::vector<mx::array>& inputs,

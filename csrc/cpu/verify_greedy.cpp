@@ -1,7 +1,7 @@
 #include <cstdint>
 
+#include "cpu/fused_common.h"
 #include "cpu/row_argmax.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/dtype.h"
 #include "primitives.h"
 
@@ -51,17 +51,9 @@ void verify_rows(
 void VerifyGreedy::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto& logits = inputs[0];
-  auto& tokens = inputs[1];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  enc.set_input_array(logits);
-  enc.set_input_array(tokens);
-  enc.set_output_array(out);
-  enc.dispatch([logits = mx::array::unsafe_weak_copy(logits),
-                tokens = mx::array::unsafe_weak_copy(tokens),
-                out = mx::array::unsafe_weak_copy(out)]() mutable {
+  auto job = [](std::vector<mx::array>& in, mx::array& out) {
+    const mx::array& logits = in[0];
+    const mx::array& tokens = in[1];
     const int B = logits.shape(0);
     const int V = logits.shape(2);
     const void* lp = logits.data<void>();
@@ -71,7 +63,8 @@ void VerifyGreedy::eval_cpu(
     } else {
       verify_rows(lp, logits.dtype(), tokens.data<int64_t>(), op, B, V);
     }
-  });
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }
 
 } // namespace mtplx

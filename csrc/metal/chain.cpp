@@ -10,15 +10,6 @@
 
 namespace mtplx {
 
-namespace {
-
-std::string chain_dtype(mx::Dtype t) {
-  return t == mx::float32 ? "float32"
-                          : (t == mx::float16 ? "float16" : "bfloat16");
-}
-
-} // namespace
-
 void VerifyGreedyChain::eval_gpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
@@ -28,25 +19,22 @@ void VerifyGreedyChain::eval_gpu(
   const int B = logits.shape(0);
   const int K = logits.shape(1) - 1;
   const int V = logits.shape(2);
-
-  auto& s = stream();
-  auto& d = mx::metal::device(s.device);
-  auto* kernel = metal::get_kernel(
-      d,
+  metal::launch_rows(
+      stream(),
       metal::row_kernel(
           "verify_greedy_chain",
-          chain_dtype(logits.dtype()),
-          tokens.dtype() == mx::int64));
-  const int threads = metal::verify_greedy_threads(
-      V, int(kernel->maxTotalThreadsPerThreadgroup()));
-  auto& enc = mx::metal::get_command_encoder(s);
-  enc.set_compute_pipeline_state(kernel);
-  enc.set_input_array(logits, 0);
-  enc.set_input_array(tokens, 1);
-  enc.set_output_array(out, 2);
-  enc.set_bytes(V, 3);
-  enc.set_bytes(K, 4);
-  enc.dispatch_threadgroups(MTL::Size(B, 1, 1), MTL::Size(threads, 1, 1));
+          metal::logit_dtype_name(logits.dtype()),
+          tokens.dtype() == mx::int64),
+      B,
+      V,
+      metal::verify_greedy_threads,
+      [&](auto& enc) {
+        enc.set_input_array(logits, 0);
+        enc.set_input_array(tokens, 1);
+        enc.set_output_array(out, 2);
+        enc.set_bytes(V, 3);
+        enc.set_bytes(K, 4);
+      });
 }
 
 void VerifySampledChain::eval_gpu(
@@ -58,31 +46,18 @@ void VerifySampledChain::eval_gpu(
   const int B = vl.shape(0);
   const int K = vl.shape(1) - 1;
   const int V = vl.shape(2);
-  const int has_counts = has_counts_ ? 1 : 0;
-
-  auto& s = stream();
-  auto& d = mx::metal::device(s.device);
-  auto* kernel = metal::get_kernel(
-      d,
+  metal::launch_rows(
+      stream(),
       metal::row_kernel(
           "verify_sampled_chain",
-          chain_dtype(vl.dtype()),
-          tokens.dtype() == mx::int64));
-  const int threads = metal::sampling_threads(
-      V, int(kernel->maxTotalThreadsPerThreadgroup()));
-  auto& enc = mx::metal::get_command_encoder(s);
-  enc.set_compute_pipeline_state(kernel);
-  enc.set_input_array(vl, 0);
-  enc.set_input_array(inputs[1], 1);
-  enc.set_input_array(tokens, 2);
-  enc.set_input_array(inputs[3], 3);
-  enc.set_input_array(inputs[4], 4);
-  enc.set_input_array(has_counts_ ? inputs[5] : vl, 5);
-  enc.set_output_array(out, 6);
-  enc.set_bytes(V, 7);
-  enc.set_bytes(has_counts, 8);
-  enc.set_bytes(K, 9);
-  enc.dispatch_threadgroups(MTL::Size(B, 1, 1), MTL::Size(threads, 1, 1));
+          metal::logit_dtype_name(vl.dtype()),
+          tokens.dtype() == mx::int64),
+      B,
+      V,
+      metal::sampling_threads,
+      [&](auto& enc) {
+        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, K);
+      });
 }
 
 } // namespace mtplx
