@@ -22,7 +22,7 @@ FAMILIES = ["qwen3", "deepseek_v3", "glm4_moe", "mimo"]
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("B", [1, 3, 8])
-def test_every_stream_equals_mlx_lm_greedy_decoding_at_depths_2_3_5(model_type, B):
+def test_every_stream_equals_mlx_lm_greedy_decoding_at_depths_1_2_3_5(model_type, B):
     rng = _rng()
     rt = _runtime(model_type, rng)
     prompts = _prompts(rng, rt.vocab_size, B, max_len=14)
@@ -31,7 +31,7 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_at_depths_2_3_5(model_type, 
     k = int(rng.integers(B))
     stops = {refs[k][0][int(rng.integers(1, cap))]} if B > 1 else set()
     head = ScriptedHead(rt, [r[0] for r in refs], prompts, "mixed", rng)
-    for depth in (2, 3, 5):
+    for depth in (1, 2, 3, 5):
         for reject_mode in ("repair", "reforward"):
             # The mixed head reaches every accepted length; the own head is random.
             for runtime in (head, rt) if depth == 3 else (head,):
