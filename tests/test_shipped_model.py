@@ -88,3 +88,15 @@ def test_shipped_readme_names_the_data_license_and_the_command():
     assert "Python Software Foundation" in text
     assert "python -m mtplx_ext.train" in text
     assert "acceptance" in text
+
+
+def test_shipped_head_drafts_well_when_chained_at_depth_3(shipped):
+    # Chained on its own output, the head's second and third drafts of a
+    # cycle must be accepted often too (an untrained head's almost never are).
+    rng = random.Random()
+    prompts = [shipped.tokenizer.encode(_random_stdlib_snippet(rng, 120)).ids for _ in range(8)]
+    res = mtplx_ext.generate_greedy_batched(shipped, prompts, max_new_tokens=48, depth=3)
+    per = res.acceptance_per_depth
+    assert min(r for r in res.reached) > 20, res.reached
+    assert per[1] >= 0.5 and per[2] >= 0.5, per
+    assert res.mean_accepted_length >= 1.0
