@@ -315,3 +315,18 @@ def test_a_later_decode_of_the_same_shapes_replays_the_steps_and_keeps_its_own_t
     assert both(batch()) == 1, "a decode of the same shapes built its steps again"
     counting.rt.update(mtplx_ext.init_random("qwen3", seed=fresh_seed()).parameters())  # new weights
     assert both(batch()) > 1, "steps traced with the old weights were replayed"
+
+
+def test_kept_steps_go_with_their_runtime():
+    # Kept steps hold traced graphs (and so the weights): a dropped runtime
+    # must not stay alive through them.
+    import gc
+    import weakref
+
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
+    generate_greedy_batched(rt, [[1, 2, 3], [4]], max_new_tokens=8, depth=2)
+    assert rt._mtplx_kept_steps.steps, "the decode kept no step"
+    gone = weakref.ref(rt)
+    del rt
+    gc.collect()
+    assert gone() is None, "a kept step keeps its runtime alive"

@@ -47,14 +47,31 @@ from mtplx_ext.engine import bundle as chain
 PREFILL_STEP = 2048
 #: Cache slots compiled steps start with after the prompt, and grow by.
 COMPILED_GROW_STEP = 256
-#: Compiled steps kept between decodes (least recently used dropped first).
+#: Compiled steps kept between decodes, per runtime (least recently used dropped first).
 STEP_CACHE_SIZE = 32
 
-# key -> (runtime, CompiledStep): a later decode of the same runtime (same
-# weights), mode, depth and policy kind rebinds a step instead of tracing it
-# again (tracing a depth-5 cycle costs tens of milliseconds). Holding the
-# runtime keeps its id from being reused by another object while cached.
-_STEPS: OrderedDict[tuple, tuple[Any, CompiledStep]] = OrderedDict()
+
+class _KeptSteps:
+    """A runtime's released compiled steps: key -> (runtime, CompiledStep).
+
+    A later decode of the same runtime (same weights), mode, depth and policy
+    kind rebinds a step instead of tracing it again (tracing a depth-5 cycle
+    costs tens of milliseconds). Kept on the runtime itself, so the traced
+    graphs (which hold the weights) go when the runtime goes; an entry holds
+    the object it was traced for (a wrapper may share its runtime's store),
+    so that object's id is not reused while the entry lives.
+    """
+
+    def __init__(self) -> None:
+        self.steps: OrderedDict[tuple, tuple[Any, CompiledStep]] = OrderedDict()
+
+
+def _kept_steps(runtime: Any) -> OrderedDict[tuple, tuple[Any, CompiledStep]]:
+    kept = getattr(runtime, "_mtplx_kept_steps", None)
+    if not isinstance(kept, _KeptSteps):
+        kept = _KeptSteps()
+        setattr(runtime, "_mtplx_kept_steps", kept)
+    return kept.steps
 
 
 def model_tokens(tokens: mx.array) -> mx.array:
@@ -289,7 +306,7 @@ class Cycle:
         # A released step of an earlier decode, taken out of the cache: it
         # is this Cycle's until `release` puts it back (another live Cycle,
         # e.g. a scheduler's, never shares it).
-        kept = _STEPS.pop(self._sig + (kind,), None)
+        kept = _kept_steps(self.rt).pop(self._sig + (kind,), None)
         if kept is not None:
             kept[1].bind(unit, self.caches(), self._holders)
             return kept[1]
@@ -301,11 +318,12 @@ class Cycle:
         Steps of a Cycle that is never released are not kept (nor the caches
         they reference).
         """
+        kept = _kept_steps(self.rt)
         for kind, step in (self.compiled or {}).items():
             step.release()
-            _STEPS[self._sig + (kind,)] = (self.rt, step)
-        while len(_STEPS) > STEP_CACHE_SIZE:
-            _STEPS.popitem(last=False)
+            kept[self._sig + (kind,)] = (self.rt, step)
+        while len(kept) > STEP_CACHE_SIZE:
+            kept.popitem(last=False)
         self.compiled = None
 
     def _stream_unit(self, step: mx.array, tokens: mx.array, *info: mx.array) -> tuple[mx.array, ...]:
