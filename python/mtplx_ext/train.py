@@ -142,12 +142,24 @@ class TrainConfig:
     init: str = ""
     #: 1: train the head only (the trunk, embedding and lm_head stay as loaded).
     freeze_trunk: int = 0
+    #: Trunk family: "qwen3" (attention only) or "qwen3_next" (GatedDeltaNet
+    #: hybrid, one attention layer every `full_attention_interval`).
+    trunk: str = "qwen3"
+    full_attention_interval: int = 4
 
 
 def build_runtime(cfg: TrainConfig, tokenizer):
-    """A random qwen3 trunk + Qwen3-Next-style head from the package's model code."""
+    """A random qwen3 (or qwen3_next) trunk + Qwen3-Next-style head from the package's model code."""
+    hybrid = {}
+    if cfg.trunk == "qwen3_next":
+        hd = cfg.hidden // cfg.heads
+        hybrid = dict(
+            full_attention_interval=cfg.full_attention_interval, linear_num_value_heads=cfg.heads,
+            linear_num_key_heads=cfg.kv_heads, linear_key_head_dim=hd, linear_value_head_dim=hd,
+            num_experts=0, shared_expert_intermediate_size=cfg.intermediate, moe_intermediate_size=cfg.intermediate,
+        )
     rt = mtplx_ext.init_random(
-        "qwen3",
+        cfg.trunk,
         cfg.seed,
         head_layout="qwen3_next",
         vocab_size=cfg.vocab_size,
@@ -159,6 +171,7 @@ def build_runtime(cfg: TrainConfig, tokenizer):
         intermediate_size=cfg.intermediate,
         tie_word_embeddings=True,
         max_position_embeddings=4096,
+        **hybrid,
     )
     # init_random spreads the embedding for random-model tests; for training,
     # rows of norm ~1 give tied-embedding logits of unit scale at the start.
@@ -552,6 +565,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         p.error("--hidden must be divisible by --heads, and --heads by --kv-heads")
     if not 0.0 <= cfg.distill <= 1.0:
         p.error("--distill must be in [0, 1]")
+    if cfg.trunk not in ("qwen3", "qwen3_next"):
+        p.error("--trunk must be qwen3 or qwen3_next")
     if not 1 <= cfg.depth <= 8:
         p.error("--depth must be in 1..8")
     if cfg.freeze_trunk and not cfg.init:

@@ -1,0 +1,70 @@
+"""The training script's depth-K objective, frozen-trunk fine-tuning and arguments."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+import mtplx_ext
+from mtplx_ext import train
+from _ragged import fresh_seed
+
+
+def _ce(logits: mx.array, targets: mx.array) -> float:
+    """Mean cross-entropy in float64 from the logits (numpy)."""
+    z = np.array(logits.astype(mx.float32), np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    t = np.array(targets)
+    return float(-np.take_along_axis(logp, t[..., None], -1).mean())
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_the_depth_loss_is_the_mean_ce_of_the_head_applied_k_times_to_its_own_state(depth):
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
+    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 17)).astype(np.int32))
+    loss, (trunk_ce, head_ce1) = train.joint_loss(rt, seq, 1.0, 0.0, depth, train_trunk=False)
+    # By hand: depth k sees the state of depth k - 1 and the true token t + k.
+    inputs, targets = seq[:, :-1], seq[:, 1:]
+    logits, h = rt.forward(inputs)
+    ces = []
+    for k in range(1, depth + 1):
+        n = targets.shape[1] - k
+        head_logits, h = rt.head_forward(h[:, :n], targets[:, k - 1 : k - 1 + n], return_hidden=True)
+        ces.append(_ce(head_logits, targets[:, k : k + n]))
+    assert abs(loss.item() - np.mean(ces)) < 1e-4
+    assert abs(head_ce1.item() - ces[0]) < 1e-4 and abs(trunk_ce.item() - _ce(logits, targets)) < 1e-4
+
+
+def test_a_frozen_trunk_gets_no_gradient_and_the_head_does():
+    rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
+    rt.trunk.freeze()
+    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 9)).astype(np.int32))
+    _, grads = nn.value_and_grad(rt, lambda s: train.joint_loss(rt, s, 1.0, 0.5, 2, train_trunk=False)[0])(seq)
+    names = [k for k, _ in tree_flatten(grads)]
+    assert names and all(k.startswith("head.") for k in names), names[:5]
+    assert any(float(mx.abs(g).max()) > 0 for _, g in tree_flatten(grads))
+
+
+def test_a_hybrid_trunk_can_be_built_for_training():
+    cfg = train.TrainConfig(out="", vocab_size=64, hidden=32, layers=4, heads=2, kv_heads=1, intermediate=64,
+                            trunk="qwen3_next", full_attention_interval=2)
+    rt = train.build_runtime(cfg, tokenizer=None)
+    assert rt.has_recurrent_layers and rt.has_mtp
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--depth", "9"], "--depth"),
+        (["--freeze-trunk", "1"], "--freeze-trunk"),
+        (["--trunk", "llama"], "--trunk"),
+    ],
+)
+def test_bad_training_arguments_are_refused_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--out", "x", *argv])
+    assert message in capsys.readouterr().err
