@@ -468,13 +468,19 @@ def write_model_readme(folder: str | Path) -> Path:
         if lam > 0
         else ""
     )
-    text = f"""# {folder.name}: a tiny qwen3 model with a Qwen3-Next-style MTP head
+    trunk = cfg.get("trunk", "qwen3")
+    hybrid = (
+        f" (GatedDeltaNet layers, full attention every {cfg.get('full_attention_interval')} layers)"
+        if trunk == "qwen3_next"
+        else ""
+    )
+    text = f"""# {folder.name}: a tiny {trunk} model with a Qwen3-Next-style MTP head
 
 Trained by `mtplx_ext.train` so that `mtplx-ext generate` and `mtplx-ext bench`
 work offline. It writes Python-looking code; it is a test and benchmark
 model, not a useful code model.
 
-- Trunk: mlx-lm `qwen3`, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} attention
+- Trunk: mlx-lm `{trunk}`{hybrid}, hidden {cfg['hidden']}, {cfg['layers']} layers, {cfg['heads']} attention
   heads ({cfg['kv_heads']} KV heads), MLP {cfg['intermediate']}, tied embeddings, vocabulary {cfg['vocab_size']}.
 - MTP head: Qwen3-Next layout (`mtp.*`: two RMSNorms, fc 2H -> H, one
   attention decoder layer, final norm; embedding and lm_head shared).
