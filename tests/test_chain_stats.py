@@ -119,8 +119,15 @@ def test_chain_commits_follow_the_target_joint_distribution(K, penalties):
     ids=["residual_unnormalised", "bonus_from_draft", "accept_with_next_target"],
 )
 def test_broken_chain_rules_are_rejected_by_the_same_test(variant):
+    # A random toy model can leave a broken rule almost harmless (seen once:
+    # p = 0.82); it must be rejected on one of three fresh models, which the
+    # exact rule passes with probability about 1 - 3 x ALPHA.
     rng = np.random.default_rng()
-    model = Bigram(rng, penalties=True)
-    x0 = int(rng.integers(V))
-    hist = run_chain(rng, model, x0, 2, variant)
-    assert g_test_pvalue(hist, model.expected(x0, 2)) < ALPHA
+    pvalues = []
+    for _ in range(3):
+        model = Bigram(rng, penalties=True)
+        x0 = int(rng.integers(V))
+        pvalues.append(g_test_pvalue(run_chain(rng, model, x0, 2, variant), model.expected(x0, 2)))
+        if pvalues[-1] < ALPHA:
+            break
+    assert min(pvalues) < ALPHA, pvalues
