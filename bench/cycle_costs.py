@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from mtplx_ext import cache_state
 from mtplx_ext.compiled_step import CompiledStep
-from mtplx_ext.fused import patch_mlx_lm_attention
+from mtplx_ext.fused import patch_mlx_lm_ops
 from mtplx_ext.verify import COL_ACCEPT, COL_BONUS, COL_SECOND, verify_greedy
 
 MODEL = Path(mtplx_ext.__file__).parent / "assets" / "tiny-qwen3-mtp"
@@ -108,7 +108,7 @@ def main() -> None:
         f"best MTP x plain at acc. {args.acceptance:.2f} |"
     )
     print("|---:|---:|---:|---:|---:|---:|")
-    with patch_mlx_lm_attention():
+    with patch_mlx_lm_ops():
         for batch in (int(b) for b in args.batch.split(",")):
             parts = Parts(rt, batch, args.steps)
             rounds = [{n: parts.time(n, args.steps) for n in names} for _ in range(args.rounds)]

@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from mtplx_ext import _blas, cache_state, cli
 from mtplx_ext.compiled_step import CompiledStep
-from mtplx_ext.fused import patch_mlx_lm_attention
+from mtplx_ext.fused import patch_mlx_lm_ops
 from mtplx_ext.verify import verify_greedy_chain
 
 PREFILL = 64
@@ -145,7 +145,7 @@ def main() -> None:
           "verify(K+1) / plain | head / plain | bound | x bound | same tokens as plain |")
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch.split(",")):
-        with patch_mlx_lm_attention():
+        with patch_mlx_lm_ops():
             e2e = end_to_end(rt, prompts, batch, depths, args.tokens, args.repeats)
             cost = parts(rt, batch, depths, args.rounds, args.steps)
         rows = []

@@ -33,6 +33,14 @@ void bind_fused(nb::module_& m) {
       "offset"_a,
       "stream"_a = nb::none());
 
+  m.def(
+      "swiglu",
+      &mtplx::swiglu,
+      "gate"_a,
+      "x"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+
   // mask: None, the string "causal", or an array.
   m.def(
       "scaled_dot_product_attention",

@@ -466,4 +466,70 @@ std::vector<mx::array> FusedAttention::jvp(
   return jvps;
 }
 
+// ---------------------------------------------------------------------------
+// swiglu
+
+namespace {
+
+mx::array swiglu_composed(const mx::array& gate, const mx::array& x, mx::Stream s) {
+  return mx::multiply(mx::multiply(gate, mx::sigmoid(gate, s), s), x, s);
+}
+
+} // namespace
+
+mx::array swiglu(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s) {
+  check_float_array("gate", gate);
+  check_float_array("x", x);
+  if (gate.shape() != x.shape()) {
+    bad_arg(
+        "gate and x must have the same shape, got " + shape_str(gate.shape()) +
+        " and " + shape_str(x.shape()));
+  }
+  if (gate.ndim() < 1) {
+    bad_arg("gate must have at least 1 dimension, got a scalar");
+  }
+  auto st = mx::to_stream(s);
+  if (st.device.type == mx::Device::gpu) {
+    return swiglu_composed(gate, x, st);
+  }
+  auto out_type = mx::promote_types(gate.dtype(), x.dtype());
+  return mx::array(
+      gate.shape(),
+      out_type,
+      std::make_shared<FusedSwiGLU>(st),
+      {mx::astype(gate, out_type, st), mx::astype(x, out_type, st)});
+}
+
+void FusedSwiGLU::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(
+      "FusedSwiGLU has no GPU kernel: swiglu sends GPU streams to the "
+      "composed ops");
+}
+
+std::vector<mx::array> FusedSwiGLU::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  auto st = stream();
+  auto fn = [st](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{swiglu_composed(in[0], in[1], st)};
+  };
+  auto [_, vjps] = mx::vjp(fn, primals, cotangents);
+  return pick(vjps, argnums);
+}
+
+std::vector<mx::array> FusedSwiGLU::jvp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums) {
+  auto st = stream();
+  auto fn = [st](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{swiglu_composed(in[0], in[1], st)};
+  };
+  auto [_, jvps] =
+      mx::jvp(fn, primals, full_tangents(primals, tangents, argnums, st));
+  return jvps;
+}
+
 } // namespace mtplx

@@ -1,7 +1,8 @@
-// Fused CPU forms of mx.fast.rms_norm, mx.fast.rope and
-// mx.fast.scaled_dot_product_attention: same semantics, one graph node each
-// on a CPU stream. On a GPU stream they return the mx::fast op itself (MLX's
-// Metal kernels are already fused). Arguments are checked before any kernel
+// Fused CPU forms of mx.fast.rms_norm, mx.fast.rope,
+// mx.fast.scaled_dot_product_attention and mlx-lm's swiglu: same semantics,
+// one graph node each on a CPU stream. On a GPU stream they return the mx::fast
+// op (or, for swiglu, the composed ops, which MLX fuses) itself: MLX's Metal
+// kernels are already fused. Arguments are checked before any kernel
 // runs; std::invalid_argument names the bad argument.
 #pragma once
 
@@ -53,6 +54,14 @@ mx::array scaled_dot_product_attention(
     float scale,
     const std::string& mask_mode,
     const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s = {});
+
+// silu(gate) * x = gate * sigmoid(gate) * x, as mlx-lm's `swiglu`: float32
+// math, rounded to the output dtype after each op. gate and x must have the
+// same shape; the output dtype is their promotion.
+mx::array swiglu(
+    const mx::array& gate,
+    const mx::array& x,
     mx::StreamOrDevice s = {});
 
 } // namespace mtplx

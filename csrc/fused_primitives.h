@@ -1,7 +1,8 @@
-// Single-node CPU primitives for mx.fast.rms_norm, mx.fast.rope and
-// mx.fast.scaled_dot_product_attention. On MLX's CPU backend those ops expand
-// into their composed fallback graphs (about 8, 20 and 15 nodes each); these
-// run the same math in one node. eval_cpu lives in cpu/; there is no Metal
+// Single-node CPU primitives for mx.fast.rms_norm, mx.fast.rope,
+// mx.fast.scaled_dot_product_attention and mlx-lm's swiglu. On MLX's CPU
+// backend the first three expand into their composed fallback graphs (about
+// 8, 20 and 15 nodes each) and swiglu compiles into a scalar loop; these run
+// the same math in one vectorised node. eval_cpu lives in cpu/; there is no Metal
 // code: the ops (fused_ops.cpp) send GPU streams straight to mx::fast, whose
 // Metal kernels are already fused, so eval_gpu is never reached.
 //
@@ -155,6 +156,36 @@ class FusedAttention : public mx::UnaryPrimitive {
  private:
   float scale_;
   AttentionMask mask_;
+};
+
+// Inputs: gate, x (same shape and float dtype, any strides). Output:
+// silu(gate) * x, their shape and dtype, row contiguous.
+class FusedSwiGLU : public mx::UnaryPrimitive {
+ public:
+  explicit FusedSwiGLU(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::array> vjp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mx::array>& outputs) override;
+  std::vector<mx::array> jvp(
+      const std::vector<mx::array>& primals,
+      const std::vector<mx::array>& tangents,
+      const std::vector<int>& argnums) override;
+
+  const char* name() const override {
+    return "FusedSwiGLU";
+  }
+  bool is_equivalent(const mx::Primitive&) const override {
+    return true;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
 };
 
 } // namespace mtplx

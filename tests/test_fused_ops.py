@@ -1,4 +1,5 @@
-"""Fused CPU rms_norm / rope / attention against float64 references and mx.fast.
+"""Fused CPU rms_norm / rope / attention / swiglu against float64 references,
+mx.fast and mlx-lm.
 
 Every comparison uses fresh random inputs (the seed is printed). The float64
 references are written here from the formulas; inputs are first rounded to
@@ -340,6 +341,57 @@ def test_attention_fully_masked_rows_average_values_or_are_nan_like_mx_fast(rng,
 
 
 # ---------------------------------------------------------------------------
+# swiglu
+
+
+def swiglu_ref(g: np.ndarray, x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        return g / (1.0 + np.exp(-g)) * x
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_swiglu_matches_float64_reference_and_mlx_lm(rng, dtype, layout):
+    from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+    dt = DTYPES[dtype]
+    for shape in [(1, 1, 576), (3, 5, 64), (2, 3, 4, 33), (7, 1)]:
+        # Gates over the whole useful range: saturated on both sides, and near 0.
+        g = strided(to_mx(rng.standard_normal(shape) * rng.choice([0.5, 4.0, 40.0]), dt), layout)
+        x = strided(to_mx(rng.standard_normal(shape), dt), layout)
+        got = mtplx_ext.swiglu(g, x)
+        assert got.dtype == dt and tuple(got.shape) == shape
+        ref = swiglu_ref(np64(g), np64(x))
+        # Three roundings to the dtype in half precision, as the composed graph.
+        ulps = 8 if dtype == "float32" else 3.5
+        assert_close(got, ref, dtype, ulps, f"swiglu {shape} vs float64")
+        assert_close(got, np64(mlx_lm_swiglu(g, x)), dtype, 2 * ulps, f"swiglu {shape} vs mlx-lm")
+
+
+def test_swiglu_special_values_match_mlx_lm():
+    from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+    inf, nan = float("inf"), float("nan")
+    g = mx.array([nan, -inf, inf, -200.0, -88.0, -20.0, 0.0, 20.0, 88.0, 200.0, 1.0, 1.0])
+    x = mx.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, nan, inf])
+    got, ref = np64(mtplx_ext.swiglu(g, x)), np64(mlx_lm_swiglu(g, x))
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    ok = ~np.isnan(ref)
+    assert np.allclose(got[ok], ref[ok], rtol=1e-6, atol=1e-30)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = swiglu_ref(np64(g), np64(x))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+
+
+def test_swiglu_of_mixed_dtypes_promotes(rng):
+    g = to_mx(rng.standard_normal((2, 16)), mx.float16)
+    x = to_mx(rng.standard_normal((2, 16)), mx.float32)
+    got = mtplx_ext.swiglu(g, x)
+    assert got.dtype == mx.float32
+    assert_close(got, swiglu_ref(np64(g), np64(x)), "float32", 8, "mixed dtypes")
+
+
+# ---------------------------------------------------------------------------
 # Outputs are fully written
 
 
@@ -367,6 +419,11 @@ def test_outputs_are_fully_written_over_poisoned_buffers(rng, dtype):
             lambda: mtplx_ext.scaled_dot_product_attention(x, k, v, scale=0.125, mask="causal"),
             lambda: sdpa_ref(np64(x), np64(k), np64(v), 0.125, "causal", lowest_of(dtype)),
             64 if dtype == "float32" else 1.5,
+        ),
+        "swiglu": (
+            lambda: mtplx_ext.swiglu(x, x[:, ::-1]),
+            lambda: swiglu_ref(np64(x), np64(x[:, ::-1])),
+            8 if dtype == "float32" else 3.5,
         ),
     }
     atols = {"rope": rope_angle_atol(np64(x), rope_angles(5, 32, 1e4, 1.0, np.array([0, 3, 70])))}
@@ -404,6 +461,11 @@ def test_vjp_and_jvp_agree_with_mx_fast(rng):
             lambda a, b, c: mtplx_ext.scaled_dot_product_attention(a, b, c, scale=0.2, mask="causal"),
             lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=0.2, mask="causal"),
             (q, k, v),
+        ),
+        "swiglu": (
+            lambda a, b: mtplx_ext.swiglu(a, b),
+            lambda a, b: nn.silu(a) * b,
+            (x, x[:, ::-1]),
         ),
         "attention additive": (
             lambda a, b, c, m: mtplx_ext.scaled_dot_product_attention(a, b, c, scale=0.2, mask=m),
@@ -533,6 +595,32 @@ def test_attention_patch_routes_mlx_lm_and_undo_restores_it():
     assert not patch.active
 
 
+def test_swiglu_patch_routes_every_mlx_lm_user_and_undo_restores_it(rng):
+    import mlx_lm.models.activations as act
+    import mlx_lm.models.base as base
+    import mlx_lm.models.qwen3 as qwen3
+    import mlx_lm.models.switch_layers as switch_layers
+
+    original, attention = act.swiglu, base.scaled_dot_product_attention
+    patch = mtplx_ext.patch_mlx_lm_ops()
+    try:
+        assert {"mlx_lm.models.qwen3", "mlx_lm.models.switch_layers"} <= set(patch.module_names)
+        assert qwen3.swiglu is act.swiglu is switch_layers.swiglu is not original
+        assert base.scaled_dot_product_attention is not attention
+        assert not mtplx_ext.patch_mlx_lm_swiglu().active  # already routed: no-op
+        g = to_mx(rng.standard_normal((2, 3, 40)) * 4, mx.float32)
+        x = to_mx(rng.standard_normal((2, 3, 40)), mx.float32)
+        out = qwen3.swiglu(g, x)
+        assert_close(out, swiglu_ref(np64(g), np64(x)), "float32", 8, "routed swiglu")
+        # Broadcasting shapes (mlx-lm never passes them) keep mlx-lm's op.
+        assert_close(qwen3.swiglu(g, x[:, :1]), swiglu_ref(np64(g), np64(x[:, :1])), "float32", 8, "broadcast")
+    finally:
+        patch.undo()
+    assert act.swiglu is original and qwen3.swiglu is original and switch_layers.swiglu is original
+    assert base.scaled_dot_product_attention is attention
+    assert not patch.active
+
+
 # ---------------------------------------------------------------------------
 # Bad arguments
 
@@ -564,6 +652,10 @@ def test_bad_arguments_raise_errors_naming_them():
         (lambda: mtplx_ext.scaled_dot_product_attention(x, x, x, scale=1.0, mask=[1]), TypeError, "mask"),
         (lambda: mtplx_ext.scaled_dot_product_attention(x.astype(mx.float16), x.astype(mx.float16), x.astype(mx.float16), scale=1.0, mask=mx.zeros((4, 4))), ValueError, "mask"),
         (lambda: mtplx_ext.scaled_dot_product_attention(x, x, x, scale=float("nan")), ValueError, "scale"),
+        (lambda: mtplx_ext.swiglu(x, x[..., :4]), ValueError, "gate and x"),
+        (lambda: mtplx_ext.swiglu(x.astype(mx.int32), x), TypeError, "gate"),
+        (lambda: mtplx_ext.swiglu(x, [1.0]), TypeError, "x"),
+        (lambda: mtplx_ext.swiglu(mx.array(1.0), mx.array(1.0)), ValueError, "gate"),
         (lambda: fused.fuse_cpu_ops("model"), TypeError, "model"),
     ]
     for i, (call, exc, name) in enumerate(cases):

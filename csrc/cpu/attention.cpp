@@ -27,29 +27,6 @@ using namespace cpu;
 constexpr int kBlockRows = 4;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp(x) for x <= 0 or -inf, 8 lanes: k = round(x / ln 2), Cody-Waite
-// reduction and a degree-7 Taylor polynomial (|r| <= ln 2 / 2, relative
-// error below 1e-8 before rounding). exp(x) < 2^-126 flushes to 0.
-MTPLX_FUSED_INLINE vf8 exp_nonpos8(vf8 x) {
-  const vi8 under = x < -87.0f;
-  x = under ? vf8{} - 87.0f : x;
-  const vf8 shift = vf8{} + 12582912.0f; // 1.5 * 2^23: round to integer
-  vf8 kf = x * 1.44269504088896341f + shift;
-  const vi8 k = (vi8)kf - (vi8)shift;
-  kf -= shift;
-  const vf8 r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
-  vf8 p = vf8{} + (1.0f / 5040.0f);
-  p = p * r + (1.0f / 720.0f);
-  p = p * r + (1.0f / 120.0f);
-  p = p * r + (1.0f / 24.0f);
-  p = p * r + (1.0f / 6.0f);
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const vf8 two_k = (vf8)((k + 127) << 23);
-  return under ? vf8{} : p * two_k;
-}
-
 template <class S>
 constexpr float lowest_of() {
   if constexpr (std::is_same_v<S, F32>) {

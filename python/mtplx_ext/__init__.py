@@ -22,14 +22,18 @@ from mtplx_ext.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoint import CheckpointError, init_random, load  # noqa: E402
 from mtplx_ext.fused import (  # noqa: E402
     AttentionPatch,
+    MlxLmPatch,
     FusedRMSNorm,
     FusedRoPE,
     FusedZeroCentredRMSNorm,
     fuse_cpu_ops,
     patch_mlx_lm_attention,
+    patch_mlx_lm_ops,
+    patch_mlx_lm_swiglu,
     rms_norm,
     rope,
     scaled_dot_product_attention,
+    swiglu,
 )
 from mtplx_ext.engine import (  # noqa: E402
     BatchedDecodeResult,
@@ -42,14 +46,18 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionPatch",
+    "MlxLmPatch",
     "FusedRMSNorm",
     "FusedRoPE",
     "FusedZeroCentredRMSNorm",
     "fuse_cpu_ops",
     "patch_mlx_lm_attention",
+    "patch_mlx_lm_ops",
+    "patch_mlx_lm_swiglu",
     "rms_norm",
     "rope",
     "scaled_dot_product_attention",
+    "swiglu",
     "BatchedDecodeResult",
     "StreamResult",
     "generate_batched",

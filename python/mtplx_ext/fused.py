@@ -1,11 +1,15 @@
-"""Single-node CPU forms of MLX's fast RMSNorm, RoPE and attention ops.
+"""Single-node CPU forms of MLX's fast RMSNorm, RoPE and attention ops and of
+mlx-lm's SwiGLU.
 
 On MLX's CPU backend `mx.fast.rms_norm`, `mx.fast.rope` and
 `mx.fast.scaled_dot_product_attention` expand into their composed fallback
 graphs (about 8, 20 and 15 nodes each). In a small decode forward most of the
-time then goes to per-node scheduling rather than math. The ops here compute
-the same results in one graph node each on a CPU stream; on a GPU stream they
-call `mx.fast` itself, whose Metal kernels are already fused. Gradients go
+time then goes to per-node scheduling rather than math. mlx-lm's compiled
+`swiglu` becomes one node, but a scalar loop calling libm per element (a
+fifth of a batch-8 verification forward of the shipped model). The ops here
+compute the same results in one vectorised graph node each on a CPU stream;
+on a GPU stream they call `mx.fast` (or, for swiglu, the composed ops) itself,
+whose Metal kernels are already fused. Gradients go
 through `mx.fast`'s differentiable fallback, so training through fused modules
 works.
 
@@ -13,9 +17,10 @@ Opting in:
 
 * `fuse_cpu_ops(model)` swaps the RMSNorm and plain RoPE modules of a module
   tree for their fused subclasses, in place.
-* `patch_mlx_lm_attention()` routes mlx-lm's attention helper through the
-  fused attention until its handle's `undo()` (mlx-lm model modules call a
-  module-level `scaled_dot_product_attention`, so there is no per-model hook).
+* `patch_mlx_lm_attention()` / `patch_mlx_lm_swiglu()` (both:
+  `patch_mlx_lm_ops()`) route mlx-lm's attention helper / SwiGLU through the
+  fused ops until their handle's `undo()` (mlx-lm model modules call
+  module-level functions, so there is no per-model hook).
 """
 
 from __future__ import annotations
@@ -187,6 +192,29 @@ def scaled_dot_product_attention(
     )
 
 
+def swiglu(gate: mx.array, x: mx.array, *, stream: StreamLike = None) -> mx.array:
+    """silu(gate) * x, as mlx-lm's `swiglu` (the SwiGLU MLPs' activation).
+
+    Computes gate * sigmoid(gate) * x in float32, rounding to the output
+    dtype after each of the three ops as the composed graph does.
+
+    Args:
+        gate: float32/float16/bfloat16 array (any strides), at least 1-D.
+        x: array of gate's shape.
+        stream: MLX stream or device (default: the default stream).
+
+    Returns:
+        Array of their shape and promoted dtype, row contiguous.
+
+    Raises:
+        TypeError: an argument has the wrong type or dtype.
+        ValueError: the shapes differ, or gate is a scalar.
+    """
+    gate = _require_float("gate", gate)
+    x = _require_float("x", x)
+    return _ext.swiglu(gate, x, stream=stream)
+
+
 # ---------------------------------------------------------------------------
 # Modules
 #
@@ -298,73 +326,82 @@ def fuse_cpu_ops(model: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------------
-# mlx-lm attention routing
+# mlx-lm routing
+#
+# mlx-lm's model modules call `scaled_dot_product_attention` and `swiglu` by
+# module-level names imported from `mlx_lm.models.base` / `.activations`, so
+# there is no per-model hook: a patch replaces the name in the defining module
+# and in every `mlx_lm.models.*` module that imported it.
 
-_BASE_MODULE = "mlx_lm.models.base"
-_FUNC = "scaled_dot_product_attention"
+_ATTENTION = ("mlx_lm.models.base", "scaled_dot_product_attention")
+_SWIGLU = ("mlx_lm.models.activations", "swiglu")
 
 
-class AttentionPatch:
-    """Undo handle of `patch_mlx_lm_attention`; also a context manager."""
+class MlxLmPatch:
+    """Undo handle of the `patch_mlx_lm_*` routings; also a context manager."""
 
-    def __init__(self, original: Callable | None, router: Callable | None, modules: list[ModuleType]):
-        self._original = original
-        self._router = router
-        self._modules = modules
+    def __init__(self, routes: list[tuple[str, Callable, Callable, list[ModuleType]]]):
+        # (function name, mlx-lm's original, router, modules patched)
+        self._routes = [r for r in routes if r[3]]
 
     @property
     def active(self) -> bool:
         """True until `undo()` (False for a patch that changed nothing)."""
-        return bool(self._modules)
+        return bool(self._routes)
 
     @property
     def module_names(self) -> list[str]:
-        """Names of the modules whose attention helper this patch replaced."""
-        return [m.__name__ for m in self._modules]
+        """Names of the modules whose helpers this patch replaced."""
+        names: list[str] = []
+        for _, _, _, mods in self._routes:
+            names += [m.__name__ for m in mods if m.__name__ not in names]
+        return names
 
     def undo(self) -> None:
-        """Restores mlx-lm's own helper where this patch put the router,
+        """Restores mlx-lm's own helpers where this patch put a router,
         including in model modules imported while it was active."""
-        if not self._modules:
-            return
-        targets = list(self._modules)
-        for name, mod in list(sys.modules.items()):
-            if name.startswith("mlx_lm.models.") and mod is not None and mod not in targets:
-                targets.append(mod)
-        for mod in targets:
-            if getattr(mod, _FUNC, None) is self._router:
-                setattr(mod, _FUNC, self._original)
-        self._modules = []
+        for func, original, router, mods in self._routes:
+            targets = list(mods)
+            for name, mod in list(sys.modules.items()):
+                if name.startswith("mlx_lm.models.") and mod is not None and mod not in targets:
+                    targets.append(mod)
+            for mod in targets:
+                if getattr(mod, func, None) is router:
+                    setattr(mod, func, original)
+        self._routes = []
 
-    def __enter__(self) -> "AttentionPatch":
+    def __enter__(self) -> "MlxLmPatch":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.undo()
 
 
-def patch_mlx_lm_attention() -> AttentionPatch:
-    """Routes mlx-lm's attention helper through the fused attention (opt in).
+#: The handle type of `patch_mlx_lm_attention` (kept under its first name).
+AttentionPatch = MlxLmPatch
 
-    mlx-lm's model modules call `mlx_lm.models.base.scaled_dot_product_attention`
-    by a module-level name imported from `mlx_lm.models.base`. This replaces
-    that name, in `mlx_lm.models.base` and in every already imported
-    `mlx_lm.models.*` module holding it (modules imported later pick it up
-    from base), by a router: quantized KV caches and attention sinks go to
-    mlx-lm's own helper, everything else to `scaled_dot_product_attention`
-    here. It affects every mlx-lm model in the process until `undo()` on the
-    returned handle (or the end of a `with` block). Calling it while a patch is
-    active changes nothing and returns an inactive handle.
 
-    Returns:
-        The handle; `undo()` restores mlx-lm's helper.
-    """
-    import mlx_lm.models.base as base
+def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) -> tuple:
+    import importlib
 
-    original = getattr(base, _FUNC)
+    base_name, func = where
+    base = importlib.import_module(base_name)
+    original = getattr(base, func)
     if getattr(original, "_mtplx_router", False):
-        return AttentionPatch(None, None, [])
+        return (func, original, original, [])
+    router = make_router(original)
+    router._mtplx_router = True  # type: ignore[attr-defined]
+    modules = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not (name == base_name or name.startswith("mlx_lm.models.")):
+            continue
+        if getattr(mod, func, None) is original:
+            setattr(mod, func, router)
+            modules.append(mod)
+    return (func, original, router, modules)
 
+
+def _attention_router(original: Callable) -> Callable:
     def routed_attention(
         queries: mx.array,
         keys: Any,
@@ -378,12 +415,51 @@ def patch_mlx_lm_attention() -> AttentionPatch:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
         return _ext.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
-    routed_attention._mtplx_router = True  # type: ignore[attr-defined]
-    modules = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == _BASE_MODULE or name.startswith("mlx_lm.models.")):
-            continue
-        if getattr(mod, _FUNC, None) is original:
-            setattr(mod, _FUNC, routed_attention)
-            modules.append(mod)
-    return AttentionPatch(original, routed_attention, modules)
+    return routed_attention
+
+
+def _swiglu_router(original: Callable) -> Callable:
+    def routed_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+        # Shapes that broadcast (never in mlx-lm's MLPs) keep mlx-lm's op.
+        if gate.shape != x.shape:
+            return original(gate, x)
+        return _ext.swiglu(gate, x)
+
+    return routed_swiglu
+
+
+def patch_mlx_lm_attention() -> MlxLmPatch:
+    """Routes mlx-lm's attention helper through the fused attention (opt in).
+
+    Replaces `mlx_lm.models.base.scaled_dot_product_attention`, there and in
+    every already imported `mlx_lm.models.*` module holding it (modules
+    imported later pick it up from base), by a router: quantized KV caches
+    and attention sinks go to mlx-lm's own helper, everything else to
+    `scaled_dot_product_attention` here. It affects every mlx-lm model in the
+    process until `undo()` on the returned handle (or the end of a `with`
+    block). Calling it while a patch is active changes nothing and returns
+    an inactive handle.
+
+    Returns:
+        The handle; `undo()` restores mlx-lm's helper.
+    """
+    return MlxLmPatch([_route(_ATTENTION, _attention_router)])
+
+
+def patch_mlx_lm_swiglu() -> MlxLmPatch:
+    """Routes mlx-lm's `swiglu` activation through the fused `swiglu` (opt in).
+
+    Same mechanism and scope as `patch_mlx_lm_attention`, for
+    `mlx_lm.models.activations.swiglu` (the SwiGLU of the Qwen, DeepSeek,
+    GLM and MiMo MLPs and of their MoE experts). On MLX's CPU backend it
+    compiles into a scalar loop; the fused op is one vectorised node.
+
+    Returns:
+        The handle; `undo()` restores mlx-lm's function.
+    """
+    return MlxLmPatch([_route(_SWIGLU, _swiglu_router)])
+
+
+def patch_mlx_lm_ops() -> MlxLmPatch:
+    """`patch_mlx_lm_attention` and `patch_mlx_lm_swiglu` under one handle."""
+    return MlxLmPatch([_route(_ATTENTION, _attention_router), _route(_SWIGLU, _swiglu_router)])

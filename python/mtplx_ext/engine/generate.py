@@ -157,9 +157,9 @@ def generate_batched(
 def _fused_attention(runtime: Any) -> Any:
     # Process-wide while decoding, so only for runtimes that opted in.
     if getattr(runtime, "cpu_ops_fused", False):
-        from mtplx_ext.fused import patch_mlx_lm_attention  # noqa: PLC0415
+        from mtplx_ext.fused import patch_mlx_lm_ops  # noqa: PLC0415
 
-        return patch_mlx_lm_attention()
+        return patch_mlx_lm_ops()
     return contextlib.nullcontext()
 
 
