@@ -1,6 +1,7 @@
 #include "fused_ops.h"
 
 #include <cmath>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -53,6 +54,30 @@ std::vector<mx::array> full_tangents(
     }
   }
   return out;
+}
+
+using ReferenceFn =
+    std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+
+// vjp / jvp of a primitive through its composed reference on all primals.
+std::vector<mx::array> vjp_via(
+    const ReferenceFn& fn,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums) {
+  auto [_, vjps] = mx::vjp(fn, primals, cotangents);
+  return pick(vjps, argnums);
+}
+
+std::vector<mx::array> jvp_via(
+    const ReferenceFn& fn,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& tangents,
+    const std::vector<int>& argnums,
+    mx::Stream s) {
+  auto [_, jvps] =
+      mx::jvp(fn, primals, full_tangents(primals, tangents, argnums, s));
+  return jvps;
 }
 
 } // namespace
@@ -133,19 +158,23 @@ std::vector<mx::array> FusedRMSNorm::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  auto fn = rms_norm_reference(eps_, has_weight_, stream());
-  auto [_, vjps] = mx::vjp(fn, primals, cotangents);
-  return pick(vjps, argnums);
+  return vjp_via(
+      rms_norm_reference(eps_, has_weight_, stream()),
+      primals,
+      cotangents,
+      argnums);
 }
 
 std::vector<mx::array> FusedRMSNorm::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
-  auto fn = rms_norm_reference(eps_, has_weight_, stream());
-  auto [_, jvps] =
-      mx::jvp(fn, primals, full_tangents(primals, tangents, argnums, stream()));
-  return jvps;
+  return jvp_via(
+      rms_norm_reference(eps_, has_weight_, stream()),
+      primals,
+      tangents,
+      argnums,
+      stream());
 }
 
 // ---------------------------------------------------------------------------
@@ -475,6 +504,12 @@ mx::array swiglu_composed(const mx::array& gate, const mx::array& x, mx::Stream 
   return mx::multiply(mx::multiply(gate, mx::sigmoid(gate, s), s), x, s);
 }
 
+ReferenceFn swiglu_reference(mx::Stream s) {
+  return [s](const std::vector<mx::array>& in) {
+    return std::vector<mx::array>{swiglu_composed(in[0], in[1], s)};
+  };
+}
+
 } // namespace
 
 mx::array swiglu(const mx::array& gate, const mx::array& x, mx::StreamOrDevice s) {
@@ -511,25 +546,15 @@ std::vector<mx::array> FusedSwiGLU::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  auto st = stream();
-  auto fn = [st](const std::vector<mx::array>& in) {
-    return std::vector<mx::array>{swiglu_composed(in[0], in[1], st)};
-  };
-  auto [_, vjps] = mx::vjp(fn, primals, cotangents);
-  return pick(vjps, argnums);
+  return vjp_via(swiglu_reference(stream()), primals, cotangents, argnums);
 }
 
 std::vector<mx::array> FusedSwiGLU::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
     const std::vector<int>& argnums) {
-  auto st = stream();
-  auto fn = [st](const std::vector<mx::array>& in) {
-    return std::vector<mx::array>{swiglu_composed(in[0], in[1], st)};
-  };
-  auto [_, jvps] =
-      mx::jvp(fn, primals, full_tangents(primals, tangents, argnums, st));
-  return jvps;
+  return jvp_via(
+      swiglu_reference(stream()), primals, tangents, argnums, stream());
 }
 
 } // namespace mtplx

@@ -174,3 +174,98 @@ def test_bad_thread_count_is_rejected_naming_the_variable():
     p = _run("import mtplx_ext", MTPLX_BLAS_THREADS="zero")
     assert p.returncode != 0
     assert "MTPLX_BLAS_THREADS" in p.stderr
+
+
+# Decode-sized products x @ W.T through the shim's small-row kernel, against
+# float64 and against OpenBLAS in the same process (the kernel switched off).
+_SMALL = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import mtplx_ext
+    from mtplx_ext import _blas
+    import mlx.core as mx
+
+    seed, out = int(sys.argv[1]), sys.argv[2]
+    rng = np.random.default_rng(seed)
+    if not _blas.status().active:
+        print(json.dumps({"active": False, "reason": _blas.status().reason}))
+        sys.exit(0)
+
+    def poison(nbytes):
+        # NaN bit patterns in freed buffers: a product with beta = 0 that read
+        # its output buffer would come out NaN.
+        junk = [mx.full((nbytes // 4 + 1,), 0x7FC00000, dtype=mx.int32) for _ in range(4)]
+        mx.eval(junk)
+
+    cases, res = [], {}
+    for i in range(40):
+        m = int(rng.integers(1, 11))          # 9 and 10 rows go to OpenBLAS
+        n = int(rng.choice([1, 3, 5, 64, 193, 2048]))
+        k = int(rng.choice([1, 7, 8, 13, 192, 577]))
+        x = rng.standard_normal((m, k)).astype(np.float32) * rng.choice([1e-3, 1.0, 1e3])
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        pad = int(rng.integers(0, 3))  # strided rows of x: a leading dimension > k
+        xs = mx.array(np.pad(x, ((0, 0), (0, pad))))[:, :k]
+        ws = mx.array(w)
+        poison(m * n * 4)
+        before = _blas.small_gemm_calls()
+        got = xs @ ws.T
+        mx.eval(got)
+        used = _blas.small_gemm_calls() - before
+        prev = _blas.set_small_gemm_rows(0)
+        poison(m * n * 4)
+        ob = xs @ ws.T
+        mx.eval(ob)
+        _blas.set_small_gemm_rows(prev)
+        # Row independence: each row alone gives the same bits as in the batch.
+        alone = mx.concatenate([xs[r : r + 1] @ ws.T for r in range(m)], axis=0)
+        # alpha / beta: addmm computes beta * c + alpha * (x @ w.T).
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        mm = mx.addmm(mx.array(c), xs, ws.T, alpha=0.5, beta=-2.0)
+        res[f"x{i}"], res[f"w{i}"], res[f"c{i}"] = x, w, c
+        res[f"got{i}"], res[f"ob{i}"] = np.array(got), np.array(ob)
+        res[f"alone{i}"], res[f"mm{i}"] = np.array(alone), np.array(mm)
+        cases.append({"m": m, "n": n, "k": k, "small_calls": int(used)})
+    # Non-finite inputs propagate as in any dot product.
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    x[1, 5] = np.nan
+    x[2, 0] = np.inf
+    res["nf_x"] = x
+    res["nf_w"] = np.abs(rng.standard_normal((4, 16))).astype(np.float32)
+    res["nf"] = np.array(mx.array(x) @ mx.array(res["nf_w"]).T)
+    np.savez(out, **res)
+    print(json.dumps({"active": True, "cases": cases}))
+    """
+)
+
+
+def test_small_row_products_match_float64_and_openblas_and_are_row_independent(tmp_path):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"random seed {seed}")
+    out = tmp_path / "small.npz"
+    p = _run(_SMALL, str(seed), str(out))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    if not info["active"]:
+        pytest.skip(f"OpenBLAS route unavailable here: {info['reason']}")
+    r = dict(np.load(out))
+    eps32 = float(np.finfo(np.float32).eps)
+    has_fma = "avx2" in open("/proc/cpuinfo").read() and " fma" in open("/proc/cpuinfo").read()
+    for i, case in enumerate(info["cases"]):
+        x, w, c = r[f"x{i}"], r[f"w{i}"], r[f"c{i}"]
+        what = f"case {case}"
+        # The kernel takes 1..8 rows (where the CPU has AVX2 + FMA), OpenBLAS the
+        # rest; a [1, 1] weight is contiguous both ways and MLX passes it untransposed.
+        takes = has_fma and case["m"] <= 8 and case["n"] * case["k"] > 1
+        assert case["small_calls"] == int(takes), what
+        assert _within_gemm_error(r[f"got{i}"], x, w.T, eps32), what
+        assert _within_gemm_error(r[f"ob{i}"], x, w.T, eps32), what
+        if case["m"] <= 8:  # within the kernel, rows alone and together agree bit for bit
+            np.testing.assert_array_equal(r[f"alone{i}"], r[f"got{i}"], err_msg=what)
+        exact = -2.0 * c.astype(np.float64) + 0.5 * (x.astype(np.float64) @ w.T.astype(np.float64))
+        bound = 2 * (x.shape[1] + 2) * eps32 * (2 * np.abs(c) + 0.5 * (np.abs(x).astype(np.float64) @ np.abs(w).T))
+        assert np.all(np.abs(r[f"mm{i}"] - exact) <= bound + 1e-30), what
+    nf = r["nf"]
+    assert np.isfinite(nf[0]).all() and np.isnan(nf[1]).all() and np.isposinf(nf[2]).all()
+    assert any(c["small_calls"] for c in info["cases"]) == has_fma

@@ -365,7 +365,11 @@ def test_swiglu_matches_float64_reference_and_mlx_lm(rng, dtype, layout):
         # Three roundings to the dtype in half precision, as the composed graph.
         ulps = 8 if dtype == "float32" else 3.5
         assert_close(got, ref, dtype, ulps, f"swiglu {shape} vs float64")
-        assert_close(got, np64(mlx_lm_swiglu(g, x)), dtype, 2 * ulps, f"swiglu {shape} vs mlx-lm")
+        # MLX's float16 sigmoid flushes values below 2^-14 to 0 (gates under
+        # about -9.7); the fused op keeps them, so there mlx-lm is off by up
+        # to |gate * 2^-14 * x|.
+        atol = 1e-3 * float(np.abs(np64(x)).max()) if dtype == "float16" else 0.0
+        assert_close(got, np64(mlx_lm_swiglu(g, x)), dtype, 2 * ulps, f"swiglu {shape} vs mlx-lm", atol)
 
 
 def test_swiglu_special_values_match_mlx_lm():

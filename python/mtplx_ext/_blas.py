@@ -6,6 +6,10 @@ library (``libmtplx_blas_shim.so``, built with the package) that exports the
 ``cblas_sgemm`` / ``cblas_dgemm`` / ``cblas_cgemm`` symbols libmlx imports and
 forwards them to OpenBLAS from the ``scipy-openblas32`` wheel (whose own
 symbols carry a ``scipy_`` prefix, so they never clash with anything).
+Decode-sized float32 products ``x @ W.T`` with at most 8 rows of x run in
+the shim's own AVX2 + FMA kernel instead (where the CPU has both): OpenBLAS
+packs the whole weight matrix on every call, which costs 2-4x the product
+itself at these sizes.
 
 The shim must be in the process's global symbol scope *before* libmlx is
 loaded, i.e. before ``mlx.core`` is first imported: ``import mtplx_ext`` does
@@ -32,7 +36,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasStatus", "load", "status", "gemm_calls", "describe"]
+__all__ = ["BlasStatus", "load", "status", "gemm_calls", "small_gemm_calls", "set_small_gemm_rows", "describe"]
 
 _SHIM_NAME = "libmtplx_blas_shim.so"
 _MAX_DEFAULT_THREADS = 8
@@ -169,6 +173,9 @@ def load() -> BlasStatus:
     shim.mtplx_blas_config.restype = ctypes.c_char_p
     shim.mtplx_blas_calls.restype = ctypes.c_longlong
     shim.mtplx_blas_set_threads.argtypes = [ctypes.c_int]
+    shim.mtplx_blas_small_calls.restype = ctypes.c_longlong
+    shim.mtplx_blas_set_small_rows.argtypes = [ctypes.c_int]
+    shim.mtplx_blas_set_small_rows.restype = ctypes.c_int
     if shim.mtplx_blas_bind(str(openblas).encode(), b"scipy_") != 0:
         # The shim is global now but unbound: any GEMM through it would abort,
         # so this is an error, not a fallback.
@@ -196,6 +203,27 @@ def status() -> BlasStatus:
 def gemm_calls() -> int:
     """GEMM calls forwarded to OpenBLAS so far (-1 when the shim is not loaded)."""
     return int(_shim.mtplx_blas_calls()) if _shim is not None else -1
+
+
+def small_gemm_calls() -> int:
+    """Products the shim's own small-row kernel computed (-1 without the shim).
+
+    Decode-sized float32 products x @ W.T with at most a few rows of x skip
+    OpenBLAS, which packs the whole weight matrix on every call.
+    """
+    return int(_shim.mtplx_blas_small_calls()) if _shim is not None else -1
+
+
+def set_small_gemm_rows(rows: int) -> int:
+    """Most rows of x the small kernel takes (0 sends everything to OpenBLAS).
+
+    For benchmarks and tests that compare both paths in one process; the
+    default is the kernel's own limit. Returns the previous limit (-1 and no
+    effect without the shim).
+    """
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0, got {rows!r}")
+    return int(_shim.mtplx_blas_set_small_rows(rows)) if _shim is not None else -1
 
 
 def describe() -> str:
