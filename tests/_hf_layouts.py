@@ -45,82 +45,43 @@ import numpy as np
 from mlx.utils import tree_flatten
 from safetensors.numpy import save_file
 
-_COMMON = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+from mtplx_ext import checkpoint
 
-_QWEN3_NEXT = {
-    **_COMMON,
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "num_hidden_layers": 4,
-    "head_dim": 16,
-    "full_attention_interval": 2,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "partial_rotary_factor": 0.5,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "decoder_sparse_step": 1,
-    "shared_expert_intermediate_size": 64,
-    "moe_intermediate_size": 32,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "num_nextn_predict_layers": 1,
-}
+# The trunk shapes are mtplx_ext's own small configs; what is added here is
+# what a published config.json carries besides them (architectures, the head
+# count, MoE experts for the Qwen3-Next head's MoE layer, the HF rope keys).
+_SMALL = checkpoint.SMALL_CONFIGS
+
+
+def _hf(family: str, architecture: str, **fields) -> dict:
+    return {
+        **_SMALL[family],
+        "torch_dtype": "float32",
+        "architectures": [architecture],
+        "model_type": family,
+        **fields,
+    }
+
+
+_QWEN3_NEXT = _hf(
+    "qwen3_next", "Qwen3NextForCausalLM", num_experts=4, num_experts_per_tok=2, num_nextn_predict_layers=1
+)
 
 _QWEN3_5_TEXT = {
-    **_COMMON,
-    "model_type": "qwen3_5_text",
-    "num_hidden_layers": 4,
-    "head_dim": 16,
-    "full_attention_interval": 2,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-    "mtp_num_hidden_layers": 1,
+    k: v
+    for k, v in _hf(
+        "qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+        model_type="qwen3_5_text",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        mtp_num_hidden_layers=1,
+    ).items()
+    # A dense Qwen3.5 text config has no MoE fields.
+    if k not in ("architectures", "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+                 "moe_intermediate_size")
 }
 
-_DEEPSEEK = {
-    **_COMMON,
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "kv_lora_rank": 32,
-    "q_lora_rank": 32,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 16,
-    "v_head_dim": 16,
-    "n_group": 1,
-    "topk_group": 1,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 1.0,
-    "num_nextn_predict_layers": 1,
-}
+_DEEPSEEK = _hf("deepseek_v3", "DeepseekV3ForCausalLM", num_nextn_predict_layers=1)
 
 CONFIGS: dict[str, dict] = {
     "qwen3_next": _QWEN3_NEXT,
@@ -146,34 +107,8 @@ CONFIGS: dict[str, dict] = {
         "vision_config": {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 16},
     },
     "deepseek_v3": _DEEPSEEK,
-    "glm4_moe": {
-        **_COMMON,
-        "architectures": ["Glm4MoeForCausalLM"],
-        "model_type": "glm4_moe",
-        "num_hidden_layers": 2,
-        "head_dim": 16,
-        "moe_intermediate_size": 32,
-        "n_routed_experts": 4,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.0,
-        "use_qk_norm": True,
-        "attention_bias": True,
-        "partial_rotary_factor": 0.5,
-        "rope_scaling": None,
-        "num_nextn_predict_layers": 1,
-    },
-    "mimo": {
-        **_COMMON,
-        "architectures": ["MiMoForCausalLM"],
-        "model_type": "mimo",
-        "num_hidden_layers": 2,
-        "num_nextn_predict_layers": 1,
-    },
+    "glm4_moe": _hf("glm4_moe", "Glm4MoeForCausalLM", num_nextn_predict_layers=1),
+    "mimo": _hf("mimo", "MiMoForCausalLM", num_nextn_predict_layers=1),
 }
 
 #: family -> MTP layout name in mtplx_ext.
