@@ -40,13 +40,13 @@ PREFILL = 64
 
 def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int) -> dict:
     """Medians over repeats (methods interleaved per repeat) of whole decodes of all prompts."""
-    groups = cli._prompt_groups(prompts, batch)
+    groups = cli.prompt_groups(prompts, batch)
     methods = ["plain"] + [f"k{d}" for d in depths]
     runs: dict[str, list[cli.Run]] = {m: [] for m in methods}
     for rep in range(repeats + 1):  # the first round warms up (traces, kernels)
         for m in methods:
             mtp, d = m != "plain", int(m[1:]) if m != "plain" else 1
-            r = cli._combined([cli._engine_run(rt, g, n, mtp, depth=d) for g in groups])
+            r = cli.combined_runs([cli.engine_run(rt, g, n, mtp, depth=d) for g in groups])
             if rep:
                 runs[m].append(r)
     out = {}

@@ -61,12 +61,12 @@ def main() -> None:
         rows[name]["heldout"] = train.heldout_decode_acceptance(rts[name], held, eos)
     prompts = cli._encode(tok, list(cli.BENCH_PROMPTS))
     for b in (1, 8):
-        groups = cli._prompt_groups(prompts, b)
+        groups = cli.prompt_groups(prompts, b)
         runs = {(n, m): [] for n in names for m in (True, False)}
         for rep in range(args.repeats + 1):  # first round warms up
             for n in names:
                 for mtp in (True, False):
-                    r = cli._combined([cli._engine_run(rts[n], g, args.tokens, mtp) for g in groups])
+                    r = cli.combined_runs([cli.engine_run(rts[n], g, args.tokens, mtp) for g in groups])
                     if rep:
                         runs[n, mtp].append(r)
         for n in names:

@@ -299,18 +299,28 @@ class Run:
     compiled: bool | None = None  # engine runs: whether steps ran through mx.compile
     reached: list[int] = field(default_factory=list)  # per draft position (MTP runs)
     accepted_at: list[int] = field(default_factory=list)
-    stream_cycles: int = 0
+    stream_cycles: int = 0  # cycles summed over the streams each was live in
+    cycles: int = 0
+    repair_cycles: int = 0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def _engine_run(
-    rt: Any, prompts: list[list[int]], n: int, mtp: bool, enforce_eager: bool = False, depth: int = 1
+def engine_run(
+    rt: Any,
+    prompts: list[list[int]],
+    n: int,
+    mtp: bool,
+    enforce_eager: bool = False,
+    depth: int = 1,
+    reject_mode: str = "repair",
 ) -> Run:
+    """One greedy decode of `prompts` as one batch, timed (the benches' unit of work)."""
     r = mtplx_ext.generate_greedy_batched(
-        rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager, depth=depth
+        rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager, depth=depth,
+        reject_mode=reject_mode,
     )
     per_stream = r.generated_tokens / len(prompts)
     return Run(
@@ -327,10 +337,12 @@ def _engine_run(
         reached=list(r.reached),
         accepted_at=list(r.accepted_at),
         stream_cycles=r.stream_cycles,
+        cycles=r.cycles,
+        repair_cycles=r.repair_cycles,
     )
 
 
-def _prompt_groups(prompt_ids: list[list[int]], batch: int) -> list[list[list[int]]]:
+def prompt_groups(prompt_ids: list[list[int]], batch: int) -> list[list[list[int]]]:
     """Every bench prompt at least once, in batches of `batch` streams.
 
     Each batch size decodes the same prompts (repeated to fill the last
@@ -341,7 +353,7 @@ def _prompt_groups(prompt_ids: list[list[int]], batch: int) -> list[list[list[in
     return [streams[i : i + batch] for i in range(0, n, batch)]
 
 
-def _combined(runs: list[Run]) -> Run:
+def combined_runs(runs: list[Run]) -> Run:
     """One Run for consecutive decodes of several prompt groups."""
     engine = all(r.forwards_per_token is not None for r in runs)
     drafted = sum(r.drafted for r in runs)
@@ -362,6 +374,8 @@ def _combined(runs: list[Run]) -> Run:
         reached=[sum(c) for c in zip(*(r.reached for r in runs))],
         accepted_at=[sum(c) for c in zip(*(r.accepted_at for r in runs))],
         stream_cycles=sum(r.stream_cycles for r in runs),
+        cycles=sum(r.cycles for r in runs),
+        repair_cycles=sum(r.repair_cycles for r in runs),
     )
 
 
@@ -476,8 +490,8 @@ def run_bench(
     depths = depths or [1]
     runners: dict[str, Any] = {}
     for d in depths:
-        runners["mtp" if depths == [1] else f"mtp-k{d}"] = lambda p, d=d: _engine_run(rt, p, n, True, enforce_eager, d)
-    runners["plain"] = lambda p: _engine_run(rt, p, n, False, enforce_eager)
+        runners["mtp" if depths == [1] else f"mtp-k{d}"] = lambda p, d=d: engine_run(rt, p, n, True, enforce_eager, d)
+    runners["plain"] = lambda p: engine_run(rt, p, n, False, enforce_eager)
     runners["mlx-lm"] = lambda p: _mlx_lm_run(baseline, p, n)
     methods = list(runners)
     total = len(batches) * len(methods) * (repeats + 1)
@@ -491,13 +505,13 @@ def run_bench(
             pass
     rows = []
     for b in batches:
-        groups = _prompt_groups(prompt_ids, b)
+        groups = prompt_groups(prompt_ids, b)
         runs: dict[str, list[Run]] = {m: [] for m in methods}
         # One untimed warm-up per method, then methods interleave per repeat so
         # that load changes on the machine hit all of them alike.
         for rep in range(repeats + 1):
             for m in methods:
-                r = _combined([runners[m](g) for g in groups])
+                r = combined_runs([runners[m](g) for g in groups])
                 if rep > 0:
                     runs[m].append(r)
                 if bar is not None:
