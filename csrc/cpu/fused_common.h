@@ -61,6 +61,26 @@ void dispatch_cpu(
                 job = std::forward<Job>(job)]() mutable { job(in, out); });
 }
 
+// The same for a primitive with several outputs: job(in, outs).
+template <class Job>
+void dispatch_cpu_outputs(
+    const mx::Stream& stream,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    Job&& job) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (auto& a : inputs) {
+    enc.set_input_array(a);
+  }
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    enc.set_output_array(o);
+  }
+  enc.dispatch([in = weak_copies(inputs),
+                out = weak_copies(outputs),
+                job = std::forward<Job>(job)]() mutable { job(in, out); });
+}
+
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
 constexpr int kLanes = 8;

@@ -125,20 +125,13 @@ MTPLX_FUSED_CLONES void gated_delta_cpu(
 void GatedDeltaCapture::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  std::vector<mx::array> in, out;
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-    in.push_back(mx::array::unsafe_weak_copy(a));
-  }
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-    out.push_back(mx::array::unsafe_weak_copy(o));
-  }
-  enc.dispatch([in = std::move(in), out = std::move(out)]() mutable {
-    gated_delta_cpu(in, out);
-  });
+  cpu::dispatch_cpu_outputs(
+      stream(),
+      inputs,
+      outputs,
+      [](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+        gated_delta_cpu(in, out);
+      });
 }
 
 } // namespace mtplx

@@ -6,41 +6,24 @@
 
 namespace mtplx {
 
-using cpu::weak_copies;
-
 void SnapshotState::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    outputs[i].set_data(mx::allocator::malloc(outputs[i].nbytes()));
-    enc.set_input_array(inputs[i]);
-    enc.set_output_array(outputs[i]);
-  }
-  enc.dispatch([in = weak_copies(inputs), out = weak_copies(outputs)]() mutable {
+  auto job = [](std::vector<mx::array>& in, std::vector<mx::array>& out) {
     for (size_t i = 0; i < in.size(); ++i) {
       if (in[i].nbytes() > 0) {
         std::memcpy(out[i].data<void>(), in[i].data<void>(), in[i].nbytes());
       }
     }
-  });
+  };
+  cpu::dispatch_cpu_outputs(stream(), inputs, outputs, std::move(job));
 }
 
 void RestoreState::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream());
-  for (auto& a : inputs) {
-    enc.set_input_array(a);
-  }
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    enc.set_output_array(o);
-  }
-  enc.dispatch([in = weak_copies(inputs),
-                out = weak_copies(outputs),
-                n = num_leaves_,
-                masked = masked_]() mutable {
+  auto job = [n = num_leaves_, masked = masked_](
+                 std::vector<mx::array>& in, std::vector<mx::array>& out) {
     const bool* mask = masked ? in[2 * n].data<bool>() : nullptr;
     for (int i = 0; i < n; ++i) {
       auto& live = in[i];
@@ -62,7 +45,8 @@ void RestoreState::eval_cpu(
         std::memcpy(dst + b * row_bytes, src + b * row_bytes, row_bytes);
       }
     }
-  });
+  };
+  cpu::dispatch_cpu_outputs(stream(), inputs, outputs, std::move(job));
 }
 
 } // namespace mtplx
