@@ -5,6 +5,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from _engine import drive as _drive
+from _engine import random_prompt as _prompt
+from _engine import sampled_arrivals as _sampled_arrivals
 from _greedy import check_stream, reference
 
 import mtplx_ext
@@ -21,27 +24,6 @@ def shipped():
 @pytest.fixture()
 def rng():
     return np.random.default_rng()
-
-
-def _prompt(rng, rt, lo=1, hi=40) -> list[int]:
-    return rng.integers(0, rt.vocab_size, size=int(rng.integers(lo, hi + 1))).tolist()
-
-
-def _drive(eng: Engine, arrivals: list[tuple[int, dict]], max_steps: int = 5000) -> list:
-    """Steps the engine, submitting arrivals[i] = (step, submit kwargs) at its step; checks the caps."""
-    reqs = [None] * len(arrivals)
-    pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
-    with eng.session():
-        for step in range(max_steps):
-            while pending and arrivals[pending[0]][0] <= step:
-                i = pending.pop(0)
-                reqs[i] = eng.submit(**arrivals[i][1])
-            busy = eng.step()
-            assert eng.live_streams <= eng.max_batch
-            assert eng.kv_slots <= eng.max_kv_slots
-            if not busy and not pending:
-                return reqs
-    raise AssertionError("engine did not finish")
 
 
 @pytest.mark.parametrize("depth,mtp", [(2, True), (1, False)])
@@ -63,22 +45,6 @@ def test_greedy_requests_arriving_at_random_cycles_equal_mlx_lm_decoding_of_each
     if mtp:
         assert eng.metrics()["mean_accepted_length"] > 0.3  # the head's drafts were used
     assert eng.live_streams == 0 and eng.kv_slots == 0
-
-
-def _sampled_arrivals(rng, rt, n):
-    out = []
-    for i in range(n):
-        kind = i % 3
-        cfg = (
-            SamplerConfig(temperature=float(rng.uniform(0.6, 1.5)), top_p=0.9, top_k=40)
-            if kind == 0
-            else SamplerConfig(temperature=0.9, min_p=0.05, frequency_penalty=0.4, presence_penalty=0.2)
-            if kind == 1
-            else SamplerConfig(temperature=0.0)
-        )
-        out.append(dict(prompt=_prompt(rng, rt, 1, 30), max_tokens=int(rng.integers(4, 20)), sampler=cfg,
-                        seed=int(rng.integers(0, 2**62))))
-    return out
 
 
 def test_seeded_sampled_requests_give_their_alone_tokens_whatever_else_is_in_the_batch(shipped, rng):
@@ -147,12 +113,6 @@ def test_requests_that_could_never_fit_are_refused_at_submit(shipped):
     with pytest.raises(ValueError, match="empty"):
         eng.submit([])
     assert eng.metrics()["submitted"] == 0
-
-
-def test_hybrid_trunks_are_refused_with_a_clear_error():
-    rt = mtplx_ext.init_random("qwen3_next", seed=0)
-    with pytest.raises(ValueError, match="recurrent layers"):
-        Engine(rt)
 
 
 def test_a_cancelled_request_frees_its_row_at_the_next_step(shipped, rng):

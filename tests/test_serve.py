@@ -218,3 +218,38 @@ def test_a_server_started_and_stopped_many_times_exits_cleanly():
         out = proc.stdout.read().decode()
         assert code == 0, out
         assert "Traceback" not in out and "Abort" not in out, out
+
+
+HYBRID = Path(__file__).resolve().parents[1] / "bench" / "tiny-qwen3-next-mtp"
+
+
+@pytest.mark.skipif(not (HYBRID / "config.json").is_file(), reason="the trained hybrid model folder is not here")
+def test_a_hybrid_model_folder_is_served_equal_to_the_offline_engine():
+    # qwen3_next trunk (GatedDeltaNet + attention layers) with its MTP head.
+    rng = np.random.default_rng()
+    snippets = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "for i in"]
+    jobs = [dict(prompt=s * int(rng.integers(1, 3)), max_tokens=int(rng.integers(4, 24)),
+                 temperature=0.0 if i % 2 == 0 else 0.8, seed=int(rng.integers(0, 2**31)), stream=i % 3 == 0)
+            for i, s in enumerate(snippets)]
+    proc, base = _start("--model", str(HYBRID), "--max-batch", "4", "--depth", "2")
+    try:
+        client = _client(base)
+
+        def run(job):
+            kw = dict(model=HYBRID.name, prompt=job["prompt"], max_tokens=job["max_tokens"],
+                      temperature=job["temperature"], seed=job["seed"])
+            if job["stream"]:
+                return "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+            return client.completions.create(**kw).choices[0].text
+
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            texts = list(pool.map(run, jobs))
+        m = httpx.get(base + "/metrics").json()
+    finally:
+        code = _stop(proc)
+    assert code == 0
+    assert m["failed"] == 0 and m["live_streams"] == 0 and m["kv_slots"] == 0 and m["cycles"] > 0
+    rt = mtplx_ext.load(HYBRID)
+    for job, text in zip(jobs, texts):
+        ids = rt.tokenizer.encode(job["prompt"]).ids
+        assert text == _offline(rt, ids, job["max_tokens"], SamplerConfig(temperature=job["temperature"]), job["seed"]), job

@@ -10,10 +10,18 @@ Each engine step:
 3. the running batch is recomposed when a stream finished, was cancelled or
    a prefill completed: the rows that go on and the new ones are gathered
    into one compact batch (finished rows cost nothing afterwards), each at
-   its own positions (per-stream end slots of `RaggedKVCache`);
+   its own positions (per-stream end slots of `RaggedKVCache`); on hybrid
+   trunks each row's recurrent and conv state (`ArraysCache`) moves with it;
 4. one MTP cycle (`Cycle`'s compiled per-stream step: K drafts, one
    [B, K + 1] verification, per-stream commit) runs for all live streams,
    its bundle is read once, and each stream's committed tokens go out.
+
+Hybrid trunks (`qwen3_next`, `qwen3_5`: GatedDeltaNet layers and attention
+layers) commit per stream too: the verification runs through
+`gated_delta.capture`, and each stream takes the recurrent state captured at
+its own accepted length (no repair forward). The routing of mlx-lm's
+GatedDeltaNet through the capture op is on, process-wide, while the engine
+runs (`Engine.session`).
 
 A batch of a given (rows, capacity, policy kind) is traced once and replayed
 whenever the batch has that shape again: its arrays are loaded, not rebuilt.
@@ -26,6 +34,8 @@ of decoding it alone.
 Memory: at most `max_batch` live streams and `max_kv_slots` KV slots (rows
 times the batch's slot capacity, the KV memory actually held). A request
 that does not fit now waits; one that never could is refused at `submit`.
+A recurrent layer holds a fixed-size state per row, so hybrids add memory
+per row (bounded by `max_batch`), not per slot.
 """
 
 from __future__ import annotations
@@ -42,14 +52,24 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from mtplx_ext._checks import as_int, as_seed
 from mtplx_ext.engine import bundle as chain
 from mtplx_ext.engine.cycle import Cycle
-from mtplx_ext.engine.generate import _fused_attention, _has_recurrent_layers, check_depth, check_prompts, check_stop_ids
+from mtplx_ext.engine.generate import (
+    _fused_attention,
+    _gated_delta_trunk,
+    _has_recurrent_layers,
+    _route_recurrent,
+    check_depth,
+    check_prompts,
+    check_stop_ids,
+)
 from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
 from mtplx_ext.engine.results import BatchedDecodeResult
 from mtplx_ext.engine.streams import Streams
+from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
 from mtplx_ext.sampled import sampler_params
 from mtplx_ext.sampling import SamplerConfig
 
@@ -212,11 +232,14 @@ class _Batch:
 
     def load(self, rows: dict[str, Any], reqs: Sequence[Request]) -> None:
         last = mx.full((self.B, 1), self.cap - 1, mx.int32)
-        for cl, ends in zip(self.caches(), rows["ends"]):
-            cl[0].positions.load(ends, last)
-        layers = [c for cl in self.caches() for c in cl]
-        for c, (k, v) in zip(layers, rows["kv"]):
+        positions, kv, rec = _split(self.caches())
+        for p, ends in zip(positions, rows["ends"]):
+            p.load(ends, last)
+        for c, (k, v) in zip(kv, rows["kv"]):
             c.keys, c.values = k, v
+        for c, leaves in zip(rec, rows["rec"]):
+            # Past its prompt: no padding mask (a compiled step binds it so).
+            c.cache, c.left_padding, c.lengths = list(leaves), None, None
         if self.kind != "greedy":
             p = self.policy
             p._keys = mx.concatenate([_row_key(r.seed) for r in reqs], axis=0)
@@ -230,17 +253,48 @@ class _Batch:
 
     def unload(self) -> dict[str, Any]:
         """The device rows (and drops this batch's references to them)."""
-        layers = [c for cl in self.caches() for c in cl]
-        rows = {
-            "ends": [cl[0].positions.ends for cl in self.caches()],
-            "kv": [(c.keys, c.values) for c in layers],
-            "counts": getattr(self.policy, "counts", None),
-        }
-        for c in layers:
+        rows = _rows(self.caches())
+        rows["counts"] = getattr(self.policy, "counts", None)
+        _, kv, rec = _split(self.caches())
+        for c in kv:
             c.keys = c.values = None
+        for c in rec:
+            c.cache = [None] * len(c.cache)
         if self.kind != "greedy":
             self.policy.counts = self.policy.x0 = None
         return rows
+
+
+def _split(cache_lists: Sequence[Sequence[Any]]) -> tuple[list[RaggedPositions], list[RaggedKVCache], list[ArraysCache]]:
+    """(the distinct shared positions, the KV layers, the recurrent layers) of cache lists, in layer order.
+
+    Any layer may be recurrent (a hybrid's first layer often is), so the
+    positions come from the KV layers, wherever they are.
+    """
+    positions: list[RaggedPositions] = []
+    kv: list[RaggedKVCache] = []
+    rec: list[ArraysCache] = []
+    for i, caches in enumerate(cache_lists):
+        for j, c in enumerate(caches):
+            if isinstance(c, RaggedKVCache):
+                kv.append(c)
+                if all(p is not c.positions for p in positions):
+                    positions.append(c.positions)
+            elif isinstance(c, ArraysCache):
+                rec.append(c)
+            else:
+                raise ValueError(f"Engine: cache layer {i}.{j} ({type(c).__name__}) is neither ragged KV nor recurrent")
+    return positions, kv, rec
+
+
+def _rows(cache_lists: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    """The device state of every row: per-stream ends, KV buffers, recurrent leaves."""
+    positions, kv, rec = _split(cache_lists)
+    return {
+        "ends": [p.ends for p in positions],
+        "kv": [(c.keys, c.values) for c in kv],
+        "rec": [list(c.cache) for c in rec],
+    }
 
 
 def _row_key(seed: int) -> mx.array:
@@ -264,7 +318,9 @@ class Engine:
     """A continuous-batching MTP decoding engine over one running batch.
 
     Args:
-        runtime: an `MTPRuntime` with an attention-only trunk.
+        runtime: an `MTPRuntime`: an attention-only trunk, or a GatedDeltaNet
+            hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
+            from the recurrent states captured at each verified position.
         max_batch: most streams decoding at once.
         depth: drafts per cycle (K).
         use_mtp: False decodes plainly (one token per forward), the baseline.
@@ -278,8 +334,9 @@ class Engine:
             the model's `max_position_embeddings`).
 
     Raises:
-        ValueError / TypeError: naming a bad argument; hybrid (recurrent)
-            trunks are refused (per-stream commit needs attention-only trunks).
+        ValueError / TypeError: naming a bad argument; a trunk with
+            recurrent layers other than GatedDeltaNet ones is refused (their
+            state cannot be captured per position).
     """
 
     def __init__(
@@ -300,11 +357,16 @@ class Engine:
         self.mtp = bool(use_mtp)
         if self.mtp and not runtime.has_mtp:
             raise ValueError("use_mtp=True needs a runtime with MTP head weights (this one has none)")
-        if _has_recurrent_layers(runtime):
+        recurrent = _has_recurrent_layers(runtime)
+        if recurrent and not _gated_delta_trunk(runtime):
             raise ValueError(
-                f"Engine: the {getattr(runtime, 'model_type', '?')} trunk has recurrent layers; continuous "
-                "batching needs per-stream commit, which only attention-only trunks have for now"
+                f"Engine: the {getattr(runtime, 'model_type', '?')} trunk has recurrent layers that are not "
+                "GatedDeltaNet layers; continuous batching of a hybrid needs the gated-delta capture "
+                "(qwen3_next / qwen3_5 trunks) to commit and move each stream's recurrent state"
             )
+        # As fixed-batch decoding decides: the capture for per-stream commit,
+        # else only for runtimes that opted into fused CPU ops.
+        self._route = recurrent and (self.mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
         cfg = getattr(runtime, "config", {}) or {}
         default_ctx = int(cfg.get("max_position_embeddings", 4096))
         self.context = as_int("context", context if context is not None else default_ctx, lo=2)
@@ -438,10 +500,15 @@ class Engine:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """The context `step` runs in (fused attention, wired memory); `start` enters it itself."""
+        """The context `step` runs in; `start` enters it itself.
+
+        Fused attention, wired memory and, on hybrid trunks, mlx-lm's
+        GatedDeltaNet routed through the capture op: all process-wide, and
+        all undone when the block ends (`stop` ends the engine thread's).
+        """
         from mlx_lm.generate import wired_limit  # noqa: PLC0415
 
-        with wired_limit(self.rt), _fused_attention(self.rt):
+        with wired_limit(self.rt), _fused_attention(self.rt), _route_recurrent(self._route):
             yield
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
@@ -538,16 +605,8 @@ class Engine:
 
     def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
         r.prefill = None
-        layers = [c for cl in cyc.caches() for c in cl]
-        counts = getattr(cyc.policy, "counts", None)
-        r.row = {
-            "ends": [cl[0].positions.ends for cl in cyc.caches()],
-            "kv": [(c.keys, c.values) for c in layers],
-            "next": tokens,
-            "info": info,
-            "counts": counts,
-        }
-        mx.eval(tokens, [a for kv in r.row["kv"] for a in kv])
+        r.row = {**_rows(cyc.caches()), "next": tokens, "info": info, "counts": getattr(cyc.policy, "counts", None)}
+        mx.eval(tokens, [a for kv in r.row["kv"] for a in kv], r.row["rec"])
         self.counters["prefill_tokens"] += len(r.prompt) % self.prefill_chunk or self.prefill_chunk
         # The stream's own step count: its first verification (or plain pick) is
         # step 1 (2) of a decode alone.
@@ -595,13 +654,17 @@ class Engine:
         def gather(get: Callable[[dict], mx.array]) -> mx.array:
             return mx.concatenate([get(d) if idx is None else get(d)[idx] for d, idx in parts], axis=0)
 
-        n_cache = len(parts[0][0]["ends"])
-        n_kv = len(parts[0][0]["kv"])
+        first = parts[0][0]
         rows: dict[str, Any] = {
-            "ends": [gather(lambda d, j=j: d["ends"][j]) for j in range(n_cache)],
+            "ends": [gather(lambda d, j=j: d["ends"][j]) for j in range(len(first["ends"]))],
+            # Capacity is a KV notion: recurrent rows are fixed-size and move as they are.
             "kv": [
                 (gather(lambda d, j=j: _fit_cap(d["kv"][j][0], cap)), gather(lambda d, j=j: _fit_cap(d["kv"][j][1], cap)))
-                for j in range(n_kv)
+                for j in range(len(first["kv"]))
+            ],
+            "rec": [
+                [gather(lambda d, j=j, k=k: d["rec"][j][k]) for k in range(len(leaves))]
+                for j, leaves in enumerate(first["rec"])
             ],
             "next": gather(lambda d: d["next"]),
         }
