@@ -398,3 +398,33 @@ def test_cli_convert_writes_a_quantized_folder_with_its_head(tmp_path, hf, capsy
     assert rt.head_layout == "mimo" and set(_quantized_layers(rt.head).values()) == {8}
     assert cli.main(["convert", str(folder), str(tmp_path / "q")]) == 2  # not empty
     assert "mtplx-ext: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "deepseek_v3", "mimo"])
+def test_a_checkpoint_with_several_mtp_layers_loads_the_first_and_warns(tmp_path, hf, seed, family):
+    from mtplx_ext import models
+
+    folder, t = hf(family)
+    two = tmp_path / "two"
+    shutil.copytree(folder, two)
+    cfg = json.loads((two / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers" if "mtp_num_hidden_layers" in text else "num_nextn_predict_layers"] = 2
+    (two / "config.json").write_text(json.dumps(cfg))
+    # Layer 1: layer 0's tensors under the next layer's names, perturbed, so a
+    # loader that used them would draft differently.
+    mod = models.layout_module(L.LAYOUT[family])
+    p0, p1 = mod.layer_prefix(L.text(cfg), 0), mod.layer_prefix(L.text(cfg), 1)
+    extra = {p1 + k[len(p0):]: (v + np.float32(0.5)).astype(v.dtype) for k, v in t.items() if k.startswith(p0)}
+    assert extra
+    save_file(extra, two / "model-extra.safetensors", metadata={"format": "pt"})
+    index = json.loads((two / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "model-extra.safetensors" for k in extra})
+    (two / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.warns(UserWarning, match="has 2 MTP layers"):
+        rt2 = mtplx_ext.load(two, fuse_cpu_ops=False)
+    rt1 = mtplx_ext.load(folder, fuse_cpu_ops=False)
+    assert_bit_equal(params_np(rt1), params_np(rt2))
+    x = tokens(np.random.default_rng(seed), rt1.vocab_size)
+    (l1, h1), (l2, h2) = rt1.forward(x), rt2.forward(x)
+    assert mx.array_equal(rt1.head_forward(h1, x), rt2.head_forward(h2, x)).item()

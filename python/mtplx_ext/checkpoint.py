@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -330,6 +331,36 @@ def _declared_mtp_layers(config: dict) -> int:
     return int(n) if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
+def _drop_later_mtp_layers(weights: dict[str, Any], layout_mod: Any, config: dict, where: str) -> None:
+    """Removes MTP layers 1.. of a checkpoint from `weights` (in place), with a warning.
+
+    The head is one MTP layer applied recursively for every draft (as vLLM
+    does with a single layer). A checkpoint with several (DeepSeek-style
+    sequential modules) would want layer i for draft i, with each layer's
+    cache holding the previous layer's states at every position, which a
+    decode does not compute; its first layer alone still drafts, and the
+    output is exact either way.
+    """
+    declared = _declared_mtp_layers(config)
+    dropped, i = 0, 1
+    while True:
+        prefix = layout_mod.layer_prefix(config, i)
+        found = [k for k in weights if k.startswith(prefix)]
+        if not found and i >= declared:
+            break
+        for k in found:
+            del weights[k]
+        dropped += bool(found)
+        i += 1
+    if dropped:
+        warnings.warn(
+            f"{where}: the checkpoint has {dropped + 1} MTP layers; mtplx_ext applies the first one for every "
+            f"draft and leaves the other {dropped} unloaded",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def build_runtime(
     config: dict,
     weights: dict[str, mx.array] | None = None,
@@ -387,6 +418,7 @@ def build_runtime(
     if weights is not None:
         weights = dict(weights)
         if head is not None:
+            _drop_later_mtp_layers(weights, models.layout_module(layout), config, where)
             raw = take_prefixed(weights, head.prefix)
             if not raw and named:
                 raise CheckpointError(

@@ -1,7 +1,8 @@
 """MTP head layouts (one module each) and the trunk helpers they share.
 
 Each layout module exposes `LAYOUT`, `DEFAULT_HIDDEN_SOURCE`,
-`ModelArgs.from_config(config)`, `detect(weights, config)` and `Model(args,
+`ModelArgs.from_config(config)`, `detect(weights, config)`,
+`layer_prefix(config, i)` (where MTP layer i's tensors sit) and `Model(args,
 trunk)` (an `MTPHead` with `sanitize` / `checkpoint_weights`).
 """
 

@@ -47,6 +47,11 @@ class ModelArgs(HeadArgs):
         )
 
 
+def layer_prefix(config: dict, i: int) -> str:
+    """Checkpoint prefix of MTP module i: the i-th layer after the trunk's last."""
+    return f"model.layers.{int(config['num_hidden_layers']) + i}."
+
+
 def detect(weights: dict, config: dict) -> bool:
     """Whether a checkpoint holds weights of this layout."""
     if "num_hidden_layers" not in config:

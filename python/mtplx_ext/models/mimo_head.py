@@ -10,8 +10,9 @@ Checkpoint keys::
 
 Note the concatenation order: hidden first, then the token embedding. The
 embedding and lm_head are the trunk's. MiMo feeds the head the trunk hidden
-state before the final norm by default. Only `mtp_layers.0` is used; further
-MTP layers of a checkpoint are ignored.
+state before the final norm by default. Only `mtp_layers.0` is used (applied
+recursively for every draft); further MTP layers of a checkpoint are left
+unloaded, with a warning.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ class ModelArgs(HeadArgs):
     @classmethod
     def from_config(cls, config: dict, default_source: str = DEFAULT_HIDDEN_SOURCE) -> "ModelArgs":
         return cls(**vars(HeadArgs.from_config(config, default_source)))
+
+
+def layer_prefix(config: dict, i: int) -> str:
+    """Checkpoint prefix of MTP layer i (the head uses layer 0)."""
+    return f"model.mtp_layers.{i}."
 
 
 def detect(weights: dict, config: dict) -> bool:

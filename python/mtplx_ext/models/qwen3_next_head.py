@@ -41,6 +41,11 @@ class ModelArgs(HeadArgs):
         return cls(**vars(base), num_experts=int(text.get("num_experts", 0) or 0))
 
 
+def layer_prefix(config: dict, i: int) -> str:
+    """Checkpoint prefix of MTP layer i (the head uses layer 0)."""
+    return f"{PREFIX}layers.{i}."
+
+
 def detect(weights: dict, config: dict) -> bool:
     """Whether a checkpoint holds weights of this layout."""
     return any(k.startswith(PREFIX) for k in weights)
