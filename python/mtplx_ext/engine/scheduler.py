@@ -386,6 +386,7 @@ class Engine:
         self._batch: _Batch | None = None
         self._batches: dict[tuple[int, int, str], _Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
+        self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
         self._streams: Streams | None = None
         self.cycle_count = 0
@@ -629,6 +630,12 @@ class Engine:
         new = [r for r in self._ready if r.finish_reason is None]
         if len(keep) == len(self._live) and not new:
             return
+        if self._inflight is not None:
+            # The cycle launched ahead ran on the old rows: commit it first.
+            p, self._inflight = self._inflight, None
+            self._read(p)
+            keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
+            new = [r for r in self._ready if r.finish_reason is None]
         self._ready = []
         reqs = [self._live[i] for i in keep] + new
         old = self._batch.unload() if self._batch is not None else None
@@ -699,30 +706,56 @@ class Engine:
         hot = mx.arange(self.vocab)[None, None, :] == d[:, :, None]
         return mx.where(hot, 0.0, -30.0).astype(mx.float32)
 
-    def _cycle(self) -> None:
-        batch, st = self._batch, self._streams
-        step = self.cycle_count + 1
-        reqs = self._live
-        try:
-            if self.mtp:
-                extra = () if self._info is None else (self._info,)
-                p = batch.cycle.launch("stream", step, batch.cap, self._next, *extra)
-            else:
-                p = batch.cycle.launch("plain", step, batch.cap, self._next)
-            b = np.array(p.bundle)
-        except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
-            for r in reqs:
-                self._fail(r, e)
-            self._batch.unload()
-            self._batch, self._live, self._next, self._info = None, [], None, None
-            return
-        self.cycle_count = step
-        self.stats.cycles += 1
-        self.stats.forwards += 1
+    def _launch(self) -> Any:
+        """Launches the running batch's next cycle (device work only)."""
+        batch, step = self._batch, self.cycle_count + 1
         if self.mtp:
+            extra = () if self._info is None else (self._info,)
+            p = batch.cycle.launch("stream", step, batch.cap, self._next, *extra)
             self._next, self._info = p.next_tokens, p.next_info
         else:
+            p = batch.cycle.launch("plain", step, batch.cap, self._next)
             self._next = p.bundle
+        self.cycle_count = step
+        return p
+
+    def _cycle(self) -> None:
+        """Reads one cycle, after launching the one after it when the batch may stay as it is.
+
+        The next cycle depends only on device arrays (per-stream commit, plain
+        picks), so it runs while the host reads this one's bundle and streams
+        the tokens out; a row that finishes meanwhile only wastes its share of
+        that cycle, whose tokens for it are ignored.
+        """
+        try:
+            p = self._inflight if self._inflight is not None else self._launch()
+            self._inflight = None
+            # Unless this cycle may end every stream at its cap.
+            if not self._streams.may_all_finish():
+                self._inflight = self._launch()
+                mx.async_eval(self._inflight.bundle)
+        except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
+            self._fail_batch(e)
+            return
+        self._read(p)
+
+    def _fail_batch(self, e: BaseException) -> None:
+        for r in self._live:
+            self._fail(r, e)
+        if self._batch is not None:
+            self._batch.unload()
+        self._batch, self._live, self._next, self._info, self._inflight = None, [], None, None, None
+
+    def _read(self, p: Any) -> None:
+        """The cycle's one host read, then each live stream's commit."""
+        st, reqs = self._streams, self._live
+        try:
+            b = np.array(p.bundle)
+        except Exception as e:  # noqa: BLE001
+            self._fail_batch(e)
+            return
+        self.stats.cycles += 1
+        self.stats.forwards += 1
         for i, r in enumerate(reqs):
             if r.finish_reason is not None or st.done[i]:
                 continue
