@@ -145,6 +145,8 @@ class Request:
         self.prefill: Any = None  # (generator, Cycle) while prefilling
         self.row: dict[str, Any] | None = None  # device row state once prefilled
         self.step_off = 0  # cycle the stream's own step count starts from
+        # MTP: x0 went out at the prefill; the first cycle's bundle repeats it.
+        self.x0_sent = False
         self._sent = 0  # characters of decoded text already final
 
     @property
@@ -612,14 +614,15 @@ class Engine:
         # The stream's own step count: its first verification (or plain pick) is
         # step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
-        if not self.mtp:
-            # Plain decoding: the prefill's token is committed now.
-            x0 = int(np.array(tokens)[0, 0])
-            r.cycles = 0
-            self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
-                              valid=0 <= x0 < self.vocab)
-            if r.finish_reason is not None:
-                return
+        # The prefill's token goes out now (time to first token = the prefill),
+        # with MTP too: its first cycle's bundle then starts with it again.
+        x0 = int(np.array(tokens)[0, 0])
+        r.cycles = 0
+        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
+                          valid=0 <= x0 < self.vocab)
+        if r.finish_reason is not None:
+            return
+        r.x0_sent = self.mtp
         self._ready.append(r)
 
     # -- the running batch -------------------------------------------------------
@@ -692,7 +695,7 @@ class Engine:
         self._next, self._info = rows["next"], rows["info"]
         st = Streams(B, self.vocab, [r.max_tokens for r in reqs], [r.stop_ids for r in reqs], None,
                      self.depth if self.mtp else 0, self.mtp, 0)
-        st.count[:] = [len(r.tokens) for r in reqs]
+        st.count[:] = [len(r.tokens) - int(r.x0_sent) for r in reqs]
         st.result = self.stats
         self._streams = st
 
@@ -774,6 +777,8 @@ class Engine:
                 acc = len(new) - 1
                 r.accepted += acc
                 r.drafted += acc + (1 if acc < self.depth and reason is None else 0) if n >= 0 else 0
+                if r.x0_sent:
+                    new, r.x0_sent = new[1:], False
             self._commit_host(r, new, reason)
 
     # -- host side of a request ---------------------------------------------------
