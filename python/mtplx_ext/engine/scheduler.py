@@ -709,6 +709,10 @@ class Engine:
         hot = mx.arange(self.vocab)[None, None, :] == d[:, :, None]
         return mx.where(hot, 0.0, -30.0).astype(mx.float32)
 
+    #: Launch each cycle before reading the one before it (off: one cycle at a
+    #: time, for side-by-side measurements; the tokens are the same).
+    launch_ahead = True
+
     def _launch(self) -> Any:
         """Launches the running batch's next cycle (device work only)."""
         batch, step = self._batch, self.cycle_count + 1
@@ -734,7 +738,7 @@ class Engine:
             p = self._inflight if self._inflight is not None else self._launch()
             self._inflight = None
             # Unless this cycle may end every stream at its cap.
-            if not self._streams.may_all_finish():
+            if self.launch_ahead and not self._streams.may_all_finish():
                 self._inflight = self._launch()
                 mx.async_eval(self._inflight.bundle)
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
