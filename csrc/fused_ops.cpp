@@ -56,31 +56,27 @@ std::vector<mx::array> full_tangents(
   return out;
 }
 
-using ReferenceFn =
-    std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
+} // namespace
 
-// vjp / jvp of a primitive through its composed reference on all primals.
-std::vector<mx::array> vjp_via(
-    const ReferenceFn& fn,
+std::vector<mx::array> ReferenceDifferentiable::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums) {
-  auto [_, vjps] = mx::vjp(fn, primals, cotangents);
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  auto [_, vjps] = mx::vjp(reference(), primals, cotangents);
   return pick(vjps, argnums);
 }
 
-std::vector<mx::array> jvp_via(
-    const ReferenceFn& fn,
+std::vector<mx::array> ReferenceDifferentiable::jvp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums,
-    mx::Stream s) {
-  auto [_, jvps] =
-      mx::jvp(fn, primals, full_tangents(primals, tangents, argnums, s));
+    const std::vector<int>& argnums) {
+  auto [_, jvps] = mx::jvp(
+      reference(),
+      primals,
+      full_tangents(primals, tangents, argnums, stream()));
   return jvps;
 }
-
-} // namespace
 
 // ---------------------------------------------------------------------------
 // rms_norm
@@ -153,28 +149,8 @@ rms_norm_reference(float eps, bool has_weight, mx::Stream s) {
 
 } // namespace
 
-std::vector<mx::array> FusedRMSNorm::vjp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  return vjp_via(
-      rms_norm_reference(eps_, has_weight_, stream()),
-      primals,
-      cotangents,
-      argnums);
-}
-
-std::vector<mx::array> FusedRMSNorm::jvp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums) {
-  return jvp_via(
-      rms_norm_reference(eps_, has_weight_, stream()),
-      primals,
-      tangents,
-      argnums,
-      stream());
+ReferenceFn FusedRMSNorm::reference() {
+  return rms_norm_reference(eps_, has_weight_, stream());
 }
 
 // ---------------------------------------------------------------------------
@@ -541,20 +517,8 @@ void FusedSwiGLU::eval_gpu(const std::vector<mx::array>&, mx::array&) {
       "composed ops");
 }
 
-std::vector<mx::array> FusedSwiGLU::vjp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
-    const std::vector<int>& argnums,
-    const std::vector<mx::array>&) {
-  return vjp_via(swiglu_reference(stream()), primals, cotangents, argnums);
-}
-
-std::vector<mx::array> FusedSwiGLU::jvp(
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& tangents,
-    const std::vector<int>& argnums) {
-  return jvp_via(
-      swiglu_reference(stream()), primals, tangents, argnums, stream());
+ReferenceFn FusedSwiGLU::reference() {
+  return swiglu_reference(stream());
 }
 
 } // namespace mtplx

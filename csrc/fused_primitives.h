@@ -6,10 +6,12 @@
 // code: the ops (fused_ops.cpp) send GPU streams straight to mx::fast, whose
 // Metal kernels are already fused, so eval_gpu is never reached.
 //
-// vjp and jvp differentiate the matching mx::fast function on the primals
-// (its CPU fallback is differentiable), so training through them works.
+// vjp and jvp differentiate the matching mx::fast function (or composed ops)
+// on the primals (its CPU fallback is differentiable), so training through
+// them works.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "mlx/primitives.h"
@@ -18,15 +20,15 @@ namespace mtplx {
 
 namespace mx = mlx::core;
 
-// Inputs: x [..., D] (float32/float16/bfloat16, any strides), then optionally
-// weight [D] (same dtype). Output: x's shape and dtype, row contiguous.
-class FusedRMSNorm : public mx::UnaryPrimitive {
- public:
-  FusedRMSNorm(mx::Stream stream, float eps, bool has_weight)
-      : mx::UnaryPrimitive(stream), eps_(eps), has_weight_(has_weight) {}
+using ReferenceFn =
+    std::function<std::vector<mx::array>(const std::vector<mx::array>&)>;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+// A primitive whose gradients are those of a composed reference of its math
+// on all of its inputs (mx::vjp / mx::jvp of reference()).
+class ReferenceDifferentiable : public mx::UnaryPrimitive {
+ public:
+  using mx::UnaryPrimitive::UnaryPrimitive;
+
   std::vector<mx::array> vjp(
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& cotangents,
@@ -36,6 +38,20 @@ class FusedRMSNorm : public mx::UnaryPrimitive {
       const std::vector<mx::array>& primals,
       const std::vector<mx::array>& tangents,
       const std::vector<int>& argnums) override;
+
+ protected:
+  virtual ReferenceFn reference() = 0;
+};
+
+// Inputs: x [..., D] (float32/float16/bfloat16, any strides), then optionally
+// weight [D] (same dtype). Output: x's shape and dtype, row contiguous.
+class FusedRMSNorm : public ReferenceDifferentiable {
+ public:
+  FusedRMSNorm(mx::Stream stream, float eps, bool has_weight)
+      : ReferenceDifferentiable(stream), eps_(eps), has_weight_(has_weight) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
 
   const char* name() const override {
     return "FusedRMSNorm";
@@ -50,6 +66,9 @@ class FusedRMSNorm : public mx::UnaryPrimitive {
   bool has_weight() const {
     return has_weight_;
   }
+
+ protected:
+  ReferenceFn reference() override;
 
  private:
   float eps_;
@@ -160,21 +179,12 @@ class FusedAttention : public mx::UnaryPrimitive {
 
 // Inputs: gate, x (same shape and float dtype, any strides). Output:
 // silu(gate) * x, their shape and dtype, row contiguous.
-class FusedSwiGLU : public mx::UnaryPrimitive {
+class FusedSwiGLU : public ReferenceDifferentiable {
  public:
-  explicit FusedSwiGLU(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit FusedSwiGLU(mx::Stream stream) : ReferenceDifferentiable(stream) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::array> vjp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& cotangents,
-      const std::vector<int>& argnums,
-      const std::vector<mx::array>& outputs) override;
-  std::vector<mx::array> jvp(
-      const std::vector<mx::array>& primals,
-      const std::vector<mx::array>& tangents,
-      const std::vector<int>& argnums) override;
 
   const char* name() const override {
     return "FusedSwiGLU";
@@ -186,6 +196,9 @@ class FusedSwiGLU : public mx::UnaryPrimitive {
       const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
   }
+
+ protected:
+  ReferenceFn reference() override;
 };
 
 } // namespace mtplx
