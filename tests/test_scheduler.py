@@ -220,3 +220,64 @@ def test_the_engine_thread_serves_requests_from_other_threads(shipped, rng):
         assert sum((e.tokens for e in ev), []) == r.tokens and len(r.tokens) == 10
     # MLX still works on this thread after the engine's thread dropped its streams.
     assert mx.array([1.0, 2.0]).sum().item() == 3.0
+
+
+class _CountingTokenizer:
+    """The shipped tokenizer, counting the token ids it decodes."""
+
+    def __init__(self, tok):
+        self.tok, self.decoded = tok, 0
+
+    def decode(self, ids):
+        self.decoded += len(ids)
+        return self.tok.decode(list(ids))
+
+
+def _stream_text(eng, tok, ids, chunks, stop):
+    """Feeds `ids` to the engine's detokenizer in commits of the given sizes."""
+    from mtplx_ext.engine.scheduler import Request
+
+    r = Request(0, [1], SamplerConfig(), len(ids), frozenset(), tuple(stop), 0, None)
+    pieces, at = [], 0
+    for n in chunks:
+        r.tokens.extend(ids[at : at + n])
+        at += n
+        out, cut = eng._text(r, final=at >= len(ids))
+        pieces.append(out)
+        if cut:
+            break
+    return r, "".join(pieces), cut
+
+
+def test_streamed_text_equals_the_whole_decode_cut_at_the_first_stop_string(shipped, rng):
+    tok = _CountingTokenizer(shipped.tokenizer)
+    eng = Engine(shipped, max_batch=1, depth=1, tokenizer=tok)
+    V = shipped.vocab_size
+    for trial in range(30):
+        n = int(rng.integers(1, 120))
+        ids = [int(x) for x in rng.integers(0, V, n)]
+        chunks = [int(x) for x in rng.integers(1, 5, n)]
+        full = shipped.tokenizer.decode(ids)
+        stop = []
+        if trial % 2 and len(full) > 4:  # a stop string taken from the text itself
+            i = int(rng.integers(0, len(full) - 3))
+            stop = [full[i : i + int(rng.integers(1, 4))]]
+        r, text, cut = _stream_text(eng, tok, ids, chunks, stop)
+        hits = [full.find(x) for x in stop if full.find(x) >= 0]
+        want = full[: min(hits)] if hits else full
+        # Cut at the first stop string: a stop string may end a commit whose text
+        # goes beyond it; what was sent never includes it.
+        assert text == want == r.text, (trial, ids, stop)
+        assert cut == bool(hits)
+
+
+def test_detokenizing_a_long_request_decodes_each_token_a_bounded_number_of_times(shipped, rng):
+    tok = _CountingTokenizer(shipped.tokenizer)
+    eng = Engine(shipped, max_batch=1, depth=1, tokenizer=tok)
+    ids = [int(x) for x in rng.integers(0, shipped.vocab_size, 3000)]
+    for stop in ([], ["\x00never"]):
+        tok.decoded = 0
+        _, text, _ = _stream_text(eng, tok, ids, [2] * 1500, stop)
+        assert text == shipped.tokenizer.decode(ids)
+        # Decoding the whole request at every commit would read 3000 * 1501 / 2 ids.
+        assert tok.decoded <= 12 * len(ids), tok.decoded

@@ -148,6 +148,9 @@ class Request:
         # MTP: x0 went out at the prefill; the first cycle's bundle repeats it.
         self.x0_sent = False
         self._sent = 0  # characters of decoded text already final
+        # Incremental detokenization: (token count, characters) where the
+        # decoded text ends on a whole character, oldest first.
+        self._marks: list[tuple[int, int]] = [(0, 0)]
 
     @property
     def done(self) -> bool:
@@ -205,6 +208,10 @@ def _kind(reqs: Sequence[Request]) -> str:
     if any(not r.sampler.greedy for r in reqs):
         return "sampled"
     return "greedy"
+
+
+#: Tokens decoded before an incremental detokenization window, as context.
+_DETOK_CONTEXT = 4
 
 
 def _capacity(need: int) -> int:
@@ -809,20 +816,40 @@ class Engine:
             self._finish(r, reason)
 
     def _text(self, r: Request, final: bool) -> tuple[str, bool]:
-        """(newly final text, whether a stop string ended it)."""
-        full = self.tokenizer.decode(r.tokens)
+        """(newly final text, whether a stop string ended it).
+
+        Decodes only the tokens after the newest mark whose text is already
+        out (and, for stop strings, more than a stop string's length back),
+        with a few tokens before it as context: decoding the whole request on
+        every commit costs quadratic time in its length.
+        """
+        longest = max((len(x) for x in r.stop), default=0)
+        need = max(0, r._sent - longest + 1)  # the first character the stop search reads
+        while len(r._marks) > 1 and r._marks[1][1] <= need:
+            r._marks.pop(0)
+        base_tok, base = r._marks[0]
+        ctx = max(0, base_tok - _DETOK_CONTEXT)
+        head = self.tokenizer.decode(r.tokens[ctx:base_tok]) if base_tok else ""
+        tail = self.tokenizer.decode(r.tokens[ctx:])
+        if not tail.startswith(head):  # context-dependent decoding: the whole text
+            base_tok, base, tail, head = 0, 0, self.tokenizer.decode(r.tokens), ""
+            r._marks = [(0, 0)]
+        window = tail[len(head):]  # the text from character `base` on
+        if not window.endswith("\ufffd"):
+            r._marks.append((len(r.tokens), base + len(window)))
         if not final:
-            full = full.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its bytes
+            window = window.rstrip("\ufffd")  # an incomplete UTF-8 sequence: wait for its bytes
         cut = False
+        end_all = base + len(window)
         if r.stop:
-            start = max(0, r._sent - max(len(s) for s in r.stop) + 1)
-            hits = [i for i in (full.find(s, start) for s in r.stop) if i >= 0]
+            start = max(0, r._sent - longest + 1)
+            hits = [i for i in (window.find(x, start - base) for x in r.stop) if i >= 0]
             if hits:
-                full, cut, final = full[: min(hits)], True, True
+                end_all, cut, final = base + min(hits), True, True
         # Hold back what could still become a stop string.
-        hold = 0 if final or not r.stop else max(len(s) for s in r.stop) - 1
-        end = max(r._sent, len(full) - hold)
-        out = full[r._sent : end]
+        hold = 0 if final or not r.stop else longest - 1
+        end = max(r._sent, end_all - hold)
+        out = window[r._sent - base : end - base]
         r._sent = end
         r.text += out
         return out, cut
