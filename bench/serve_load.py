@@ -4,9 +4,13 @@ For each server (MTP on, MTP off, optionally mlx-lm's own `mlx_lm.server`
 on the same model folder) and each concurrency c, sends the same
 `--requests` streaming completions (greedy, code prompts, `--tokens` tokens
 each), c at a time, and reports generated tokens/s, time to first token and
-inter-token latency p50 / p99, and failed requests.
+inter-token latency p50 / p99, and failed requests. All servers run at
+once (an idle one costs nothing but memory) and take turns per concurrency
+in each of `--repeats` rounds, so the machine's drift hits them alike;
+tokens/s and latencies are medians over the rounds, MTP/plain the median of
+the per-round ratios.
 
-    python bench/serve_load.py --concurrency 1,4,8,16 --requests 16 --tokens 64 [--mlx-lm] [--json out.json]
+    python bench/serve_load.py --concurrency 1,4,8,16 --requests 16 --tokens 64 [--repeats 3] [--mlx-lm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -111,11 +115,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's own server on the shipped folder")
     ap.add_argument("--json")
     a = ap.parse_args()
-    if not 1 <= a.requests <= 256 or not 1 <= a.tokens <= 1024:
-        sys.exit("--requests must be in [1, 256] and --tokens in [1, 1024]")
+    if not 1 <= a.requests <= 256 or not 1 <= a.tokens <= 1024 or not 1 <= a.repeats <= 10:
+        sys.exit("--requests must be in [1, 256], --tokens in [1, 1024] and --repeats in [1, 10]")
     concs = [int(c) for c in a.concurrency.split(",")]
     sys.path.insert(0, str(ROOT / "python"))
     from mtplx_ext import cli  # noqa: PLC0415
@@ -127,28 +132,41 @@ def main() -> None:
     }
     if a.mlx_lm:
         servers["mlx_lm"] = [sys.executable, "-m", "mlx_lm.server", "--model", folder]
-    report = {}
-    for name, cmd in servers.items():
-        port = _port()
-        proc = start(cmd + ["--port", str(port)] + (["--host", "127.0.0.1"] if name == "mlx_lm" else []), port)
-        base = f"http://127.0.0.1:{port}"
-        model = folder if name == "mlx_lm" else "tiny-qwen3-mtp"
-        try:
-            run_load(base, model, 2, 4, 8)  # warm-up: kernels, traces
-            report[name] = [run_load(base, model, c, a.requests, a.tokens) for c in concs]
-        finally:
+    procs, bases = {}, {}
+    try:
+        for name, cmd in servers.items():
+            port = _port()
+            procs[name] = start(cmd + ["--port", str(port)] + (["--host", "127.0.0.1"] if name == "mlx_lm" else []), port)
+            bases[name] = f"http://127.0.0.1:{port}"
+        models = {n: folder if n == "mlx_lm" else "tiny-qwen3-mtp" for n in servers}
+        for name in servers:
+            run_load(bases[name], models[name], 2, 4, 8)  # warm-up: kernels, traces
+        rounds: dict[str, list[list[dict]]] = {n: [[] for _ in concs] for n in servers}
+        for rep in range(a.repeats):
+            for i, c in enumerate(concs):
+                for name in servers:
+                    row = run_load(bases[name], models[name], c, a.requests, a.tokens)
+                    rounds[name][i].append(row)
+                    print(name, f"round {rep + 1}", json.dumps(row), flush=True)
+    finally:
+        for proc in procs.values():
             proc.send_signal(signal.SIGINT)
+        for proc in procs.values():
             try:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        for row in report[name]:
-            print(name, json.dumps(row), flush=True)
+    med = lambda rows, k: float(np.median([r[k] for r in rows]))  # noqa: E731
+    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+    report = {n: [{"concurrency": c, "requests": a.requests, "repeats": a.repeats,
+                   "failed": sum(r["failed"] for r in rounds[n][i]), **{k: med(rounds[n][i], k) for k in keys},
+                   "rounds": rounds[n][i]} for i, c in enumerate(concs)] for n in servers}
     print("\n| concurrency | " + " | ".join(f"{n} tok/s" for n in report) + " | MTP/plain | "
           + " | ".join(f"{n} TTFT p50/p99 ms | {n} ITL p50/p99 ms" for n in report) + " | failed |")
     for i, c in enumerate(concs):
         rows = {n: report[n][i] for n in report}
-        ratio = rows["mtp"]["tokens_per_s"] / rows["plain"]["tokens_per_s"]
+        ratio = float(np.median([m["tokens_per_s"] / p["tokens_per_s"]
+                                 for m, p in zip(rounds["mtp"][i], rounds["plain"][i])]))
         cells = " | ".join(f"{r['tokens_per_s']:.0f}" for r in rows.values())
         lat = " | ".join(f"{r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}"
                          for r in rows.values())
