@@ -25,6 +25,7 @@ Opting in:
 
 from __future__ import annotations
 
+import importlib
 import sys
 from types import ModuleType
 from typing import Any, Callable
@@ -382,8 +383,12 @@ AttentionPatch = MlxLmPatch
 
 
 def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) -> tuple:
-    import importlib
+    """Puts a router in place of mlx-lm's function `where` = (module, name).
 
+    Returns:
+        (name, original, router, modules patched); no modules when a router
+        is already in place.
+    """
     base_name, func = where
     base = importlib.import_module(base_name)
     original = getattr(base, func)
