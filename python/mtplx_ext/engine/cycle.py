@@ -223,8 +223,7 @@ class Cycle:
         n = chain.accepted_count(b)
         c = chain.committed_tokens(b)
         # Head pairs (h_j, c_{j+1}) for j = 0..K; a stream keeps the first n + 1.
-        chained, normed = self.rt.head_states(p.hidden, model_tokens(c), self.head_cache)
-        at = n[:, None, None]
+        chained, normed = self._head_pairs(p.hidden, c, n)
         x0 = mx.take_along_axis(c, n[:, None], axis=1)[:, 0]
         dropped = self.depth - n
         if p.capture is not None:
@@ -234,19 +233,25 @@ class Cycle:
         cache_state.rollback_streams(self.head_cache, dropped)
         self.policy.commit(b, n)
         self.policy.set_next(x0)
-        return self.draft(
-            mx.take_along_axis(chained, at, axis=1), mx.take_along_axis(normed, at, axis=1), x0, step
-        )
+        return self.draft(chained, normed, x0, step)
+
+    def _head_pairs(self, hidden: mx.array, nxt: mx.array, at: mx.array | None = None) -> tuple[mx.array, mx.array]:
+        """The head over (hidden_j, nxt_j) pairs; its [B, 1, H] states at index `at` per stream (default: the last)."""
+        chained, normed = self.rt.head_states(hidden, model_tokens(nxt), self.head_cache)
+        if at is None:
+            return chained[:, -1:], normed[:, -1:]
+        idx = at[:, None, None]
+        return mx.take_along_axis(chained, idx, axis=1), mx.take_along_axis(normed, idx, axis=1)
 
     def commit_all(self, p: Pending, step: Any) -> tuple[mx.array, Any]:
         """Uniform repair, no stream going on rejected: commit x0, d_1..d_K; go on from c_{K+1}."""
         b = p.bundle
         c = chain.committed_tokens(b)
-        chained, normed = self.rt.head_states(p.hidden, model_tokens(c), self.head_cache)
+        chained, normed = self._head_pairs(p.hidden, c)
         x0 = c[:, -1]
         self.policy.commit(b, self.depth)
         self.policy.set_next(x0)
-        return self.draft(chained[:, -1:], normed[:, -1:], x0, step)
+        return self.draft(chained, normed, x0, step)
 
     def repair(self, p: Pending, r: int, step: Any) -> tuple[mx.array, Any]:
         """Uniform repair: roll the batch back and re-forward [x0, c_1..c_r]."""
@@ -259,9 +264,8 @@ class Cycle:
         logits, hidden = self.rt.forward(model_tokens(seq), self.cache)
         self.policy.commit(b, r)
         x0 = self.policy.pick(logits[:, -1], step)
-        pairs = mx.concatenate([c[:, :r], x0[:, None]], axis=1)
-        chained, normed = self.rt.head_states(hidden, model_tokens(pairs), self.head_cache)
-        return self.draft(chained[:, -1:], normed[:, -1:], x0, step)
+        chained, normed = self._head_pairs(hidden, mx.concatenate([c[:, :r], x0[:, None]], axis=1))
+        return self.draft(chained, normed, x0, step)
 
     def plain_step(self, tokens: mx.array, step: Any) -> Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
