@@ -5,6 +5,14 @@ from __future__ import annotations
 import numpy as np
 from scipy.stats import chi2
 
+#: An exact sampler must pass each G-test at this level. The suite runs some
+#: 25 of them, so at 1e-3 one would fail about once in 40 runs by chance
+#: (seen once in CI: p = 4.7e-4); at 1e-5 about once in 4000.
+ALPHA_EXACT = 1e-5
+#: A deliberately broken variant must be rejected at this level (on the same
+#: sample sizes its p-values are far smaller).
+ALPHA_BROKEN = 1e-3
+
 
 def g_test_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
     """G-test p-value; 0 when a cell of probability 0 was observed."""

@@ -19,7 +19,7 @@ import pytest
 
 import mtplx_ext
 from _greedy import _prompts, check_stream, reference
-from _stats import g_test_pvalue
+from _stats import ALPHA_EXACT, g_test_pvalue
 from mtplx_ext import cache_state, gated_delta
 from mtplx_ext.sampling import SamplerConfig, counts_with, distribution_from_logits
 
@@ -201,4 +201,4 @@ def test_depth_2_sampling_on_a_hybrid_trunk_gives_the_models_joint_of_the_first_
     assert res.reached[depth - 1] > 0, "no cycle reached the last draft"
     idx = np.ravel_multi_index(tuple(seqs.T), (V,) * n)
     p = g_test_pvalue(np.bincount(idx, minlength=V**n), _expected_joint(rt, prompt, cfg, n))
-    assert p >= 1e-3, f"hybrid depth-2 sampling off the model's distribution: p = {p:.2e}"
+    assert p >= ALPHA_EXACT, f"hybrid depth-2 sampling off the model's distribution: p = {p:.2e}"

@@ -4,7 +4,7 @@ A toy model with a small vocabulary: a primary distribution P(t1), a
 prefix-dependent target p(t2 | t1) and a draft q(t2 | t1) far from it. Each of
 N >= 100,000 cycles runs in one large batch through sample_tokens (x0, then
 the draft) and verify_sampled. The committed pair (x0, second) must follow
-P(t1) p(t2 | t1) after the sampler's transforms (G-test at alpha = 1e-3, and no
+P(t1) p(t2 | t1) after the sampler's transforms (G-test: p >= 1e-5, `_stats.ALPHA_EXACT`, and no
 pair outside the kept sets), and the acceptance rate must lie within 5 sigma
 of sum_t1 P(t1) sum_t min(p, q). The same test run on deliberately broken
 pipelines (test-only variants of the primitive, driven by the same kind of
@@ -19,10 +19,9 @@ import pytest
 
 import mtplx_ext
 from mtplx_ext.sampling import SamplerConfig, counts_with, distribution_from_logits, pack_params
-from _stats import g_test_pvalue
+from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 
 N = 100_000
-ALPHA = 1e-3
 
 EXACT = 0
 RESIDUAL_FROM_TARGET = 1
@@ -118,7 +117,7 @@ def test_committed_pairs_follow_the_target_and_acceptance_matches_overlap(rng, n
     V = int(rng.integers(8, 17))
     model = ToyModel(rng, V)
     p, z = check(model, SETTINGS[name], int(rng.integers(2**31)))
-    assert p >= ALPHA, f"G-test rejects the exact sampler: p = {p:.2e}"
+    assert p >= ALPHA_EXACT, f"G-test rejects the exact sampler: p = {p:.2e}"
     assert abs(z) < 5, f"acceptance rate off by {z:.1f} sigma"
 
 
@@ -137,7 +136,7 @@ def test_same_test_rejects_deliberately_broken_pipelines(rng, variant, cfg):
     seed = int(rng.integers(2**31))
     # The exact pipeline passes on this very model and seed ...
     p_exact, _ = check(model, cfg, seed)
-    assert p_exact >= ALPHA
+    assert p_exact >= ALPHA_EXACT
     # ... and the broken one, driven by the same uniforms, fails.
     p_broken, _ = check(model, cfg, seed, variant)
-    assert p_broken < ALPHA, f"broken variant {variant} not detected: p = {p_broken:.2e}"
+    assert p_broken < ALPHA_BROKEN, f"broken variant {variant} not detected: p = {p_broken:.2e}"
