@@ -15,18 +15,14 @@ void VerifyGreedyChain::eval_gpu(
     mx::array& out) {
   auto& logits = inputs[0]; // [B, K + 1, V], row contiguous (see ops.cpp)
   auto& tokens = inputs[1]; // [B, K + 1] int32 / int64
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const int B = logits.shape(0);
   const int K = logits.shape(1) - 1;
   const int V = logits.shape(2);
-  metal::launch_rows(
+  metal::launch_verify_rows(
       stream(),
-      metal::row_kernel(
-          "verify_greedy_chain",
-          metal::logit_dtype_name(logits.dtype()),
-          tokens.dtype() == mx::int64),
-      B,
-      V,
+      "verify_greedy_chain",
+      logits,
+      tokens,
+      out,
       metal::verify_greedy_threads,
       [&](auto& enc) {
         enc.set_input_array(logits, 0);
@@ -42,18 +38,14 @@ void VerifySampledChain::eval_gpu(
     mx::array& out) {
   auto& vl = inputs[0];
   auto& tokens = inputs[2];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const int B = vl.shape(0);
   const int K = vl.shape(1) - 1;
   const int V = vl.shape(2);
-  metal::launch_rows(
+  metal::launch_verify_rows(
       stream(),
-      metal::row_kernel(
-          "verify_sampled_chain",
-          metal::logit_dtype_name(vl.dtype()),
-          tokens.dtype() == mx::int64),
-      B,
-      V,
+      "verify_sampled_chain",
+      vl,
+      tokens,
+      out,
       metal::sampling_threads,
       [&](auto& enc) {
         metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, K);

@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "metal/launch_plan.h"
 #include "mlx/backend/metal/device.h"
 
 namespace mtplx::metal {
@@ -46,6 +47,28 @@ void launch_rows(
   enc.set_compute_pipeline_state(kernel);
   std::forward<Bind>(bind)(enc);
   enc.dispatch_threadgroups(MTL::Size(rows, 1, 1), MTL::Size(n, 1, 1));
+}
+
+// Launches verification kernel `op` (one threadgroup per stream) for the
+// dtypes of logits [B, T, V] or [B, 2, V] and tokens, after allocating out;
+// bind(enc) sets its buffers.
+template <class Bind>
+void launch_verify_rows(
+    const mx::Stream& s,
+    const std::string& op,
+    const mx::array& logits,
+    const mx::array& tokens,
+    mx::array& out,
+    int (*threads)(int, int),
+    Bind&& bind) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  launch_rows(
+      s,
+      row_kernel(op, logit_dtype_name(logits.dtype()), tokens.dtype() == mx::int64),
+      logits.shape(0),
+      logits.shape(2),
+      threads,
+      std::forward<Bind>(bind));
 }
 
 // Buffers of the sampled verification kernels (verify_sampled and

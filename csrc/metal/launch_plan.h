@@ -12,13 +12,17 @@
 
 namespace mtplx::metal {
 
-// ---- verify_greedy ---------------------------------------------------------
-
-// Host name of the verify_greedy instantiation, e.g.
-// "verify_greedy_bfloat16_int64". dtype: "float32", "float16" or "bfloat16".
-inline std::string verify_greedy_kernel(const std::string& dtype, bool tok64) {
-  return "verify_greedy_" + dtype + (tok64 ? "_int64" : "_int32");
+// Host name of a row kernel's instantiation, e.g.
+// "verify_sampled_chain_float16_int64" (op, logits dtype: "float32",
+// "float16" or "bfloat16", token dtype).
+inline std::string row_kernel(
+    const std::string& op,
+    const std::string& dtype,
+    bool tok64) {
+  return op + "_" + dtype + (tok64 ? "_int64" : "_int32");
 }
+
+// ---- verify_greedy ---------------------------------------------------------
 
 // Threads per row: about 8 logits per thread and position, a multiple of the
 // 32-lane simdgroup, at most max_threads (the pipeline's limit, <= 1024).
@@ -34,15 +38,6 @@ inline int verify_greedy_threads(int vocab, int max_threads) {
 }
 
 // ---- sampling and chain kernels ------------------------------------------
-
-// Host name of a sampling-style instantiation, e.g.
-// "verify_sampled_chain_float16_int64" (op, logits dtype, token dtype).
-inline std::string row_kernel(
-    const std::string& op,
-    const std::string& dtype,
-    bool tok64) {
-  return op + "_" + dtype + (tok64 ? "_int64" : "_int32");
-}
 
 // Threads per stream of the sampling kernels: they make many passes over
 // the row, so the widest threadgroup the pipeline allows (a multiple of 32,

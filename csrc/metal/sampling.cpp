@@ -47,18 +47,14 @@ void VerifySampled::eval_gpu(
     mx::array& out) {
   auto& vl = inputs[0];
   auto& tokens = inputs[2];
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const int B = vl.shape(0);
   const int V = vl.shape(2);
   const int variant = static_cast<int>(variant_);
-  metal::launch_rows(
+  metal::launch_verify_rows(
       stream(),
-      metal::row_kernel(
-          "verify_sampled",
-          metal::logit_dtype_name(vl.dtype()),
-          tokens.dtype() == mx::int64),
-      B,
-      V,
+      "verify_sampled",
+      vl,
+      tokens,
+      out,
       metal::sampling_threads,
       [&](auto& enc) {
         metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, variant);

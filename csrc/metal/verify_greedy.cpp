@@ -10,16 +10,13 @@ void VerifyGreedy::eval_gpu(
     mx::array& out) {
   auto& logits = inputs[0]; // [B, 2, V], row contiguous (see ops.cpp)
   auto& tokens = inputs[1]; // [B, 2] int32 / int64
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const int B = logits.shape(0);
   const int V = logits.shape(2);
-  metal::launch_rows(
+  metal::launch_verify_rows(
       stream(),
-      metal::verify_greedy_kernel(
-          metal::logit_dtype_name(logits.dtype()),
-          tokens.dtype() == mx::int64),
-      B,
-      V,
+      "verify_greedy",
+      logits,
+      tokens,
+      out,
       metal::verify_greedy_threads,
       [&](auto& enc) {
         enc.set_input_array(logits, 0);

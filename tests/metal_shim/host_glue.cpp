@@ -44,7 +44,7 @@ int memu_verify_greedy(
     char* err,
     int err_len) {
   std::string name =
-      prefix + mtplx::metal::verify_greedy_kernel(dtype, tok64 != 0);
+      prefix + mtplx::metal::row_kernel("verify_greedy", dtype, tok64 != 0);
   int tg = threads > 0 ? threads
                        : mtplx::metal::verify_greedy_threads(vocab, 1024);
   uint32_t grid[3] = {uint32_t(batch), 1, 1};
