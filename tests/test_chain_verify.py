@@ -9,7 +9,6 @@ fixes, and the Metal kernels on the threadgroup emulator.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +27,7 @@ from mtplx_ext.sampling import (
     sample_mtp_chain_row,
     transform_row,
 )
-from _poison import POISON_INT32, poison_allocator
+from _poison import poison_allocator
 from test_sampling_fused import (
     DTYPES,
     TOL,
@@ -462,17 +461,6 @@ def test_bad_chain_arguments_raise_naming_the_argument():
 # arithmetic, so rows within 2e-5 of a decision boundary are left out.
 
 TOL_F32 = 2e-5
-
-
-@pytest.fixture(scope="module")
-def emu(request):
-    from metal_shim import emulator
-
-    if emulator.clang() is None:
-        pytest.skip("clang++ not installed: the Metal emulator needs it (Debian: apt-get install clang)")
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("metal_emulator") if cache else Path(request.config.rootpath) / ".emu"
-    return emulator.Emulator(emulator.build(Path(root)))
 
 
 def _bits(a: mx.array) -> np.ndarray:

@@ -229,19 +229,6 @@ def test_capture_is_exported_at_package_level():
 ROWS_PER_GROUP = 4  # kGdRowsPerGroup in metal/gated_delta_rules.h
 
 
-@pytest.fixture(scope="module")
-def emu(request):
-    from pathlib import Path
-
-    from metal_shim import emulator
-
-    if emulator.clang() is None:
-        pytest.skip("clang++ not installed: the Metal emulator needs it (Debian: apt-get install clang)")
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("metal_emulator") if cache else Path(request.config.rootpath) / ".emu"
-    return emulator.Emulator(emulator.build(Path(root)))
-
-
 def _raw(a: mx.array) -> np.ndarray:
     """Buffer bits as the kernel reads them (bfloat16 as uint16)."""
     if a.dtype == mx.bfloat16:

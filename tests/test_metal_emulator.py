@@ -21,7 +21,7 @@ import pytest
 
 import mtplx_ext
 from metal_shim import emulator
-from metal_shim.emulator import Emulator, EmulatorError
+from metal_shim.emulator import EmulatorError
 
 pytestmark = pytest.mark.skipif(
     emulator.clang() is None,
@@ -44,14 +44,6 @@ COVERED_ELSEWHERE = {
     "verify_sampled_chain_*": "test_chain_verify.py",
     "gated_delta_capture_*": "test_gated_delta.py",
 }
-
-
-@pytest.fixture(scope="session")
-def emu(request, tmp_path_factory) -> Emulator:
-    """The emulator library, compiled once per session (cached by inputs)."""
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("metal_emulator") if cache else tmp_path_factory.mktemp("emu")
-    return Emulator(emulator.build(Path(root)))
 
 
 @pytest.fixture

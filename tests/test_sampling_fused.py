@@ -499,19 +499,6 @@ def test_bad_arguments_raise_naming_the_argument(rng):
 TOL_F32 = 2e-5
 
 
-@pytest.fixture(scope="module")
-def emu(request):
-    from metal_shim import emulator
-
-    if emulator.clang() is None:
-        pytest.skip("clang++ not installed: the Metal emulator needs it (Debian: apt-get install clang)")
-    cache = getattr(request.config, "cache", None)
-    from pathlib import Path
-
-    root = cache.mkdir("metal_emulator") if cache else Path(request.config.rootpath) / ".emu"
-    return emulator.Emulator(emulator.build(Path(root)))
-
-
 def _bits(a: mx.array) -> np.ndarray:
     """Raw logits as the kernels read them (float32, or 16-bit patterns)."""
     return np.ascontiguousarray(np.array(a)) if a.dtype == mx.float32 else np.array(a.view(mx.uint16))
