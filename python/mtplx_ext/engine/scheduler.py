@@ -499,8 +499,7 @@ class Engine:
                     except queue.Empty:
                         continue
                     if item is not None:
-                        self._waiting.append(item)
-                        self.counters["submitted"] += 1
+                        self._admit(item)
             self._fail_all("the engine stopped")
         # MLX keeps per-thread stream state; a thread that ends with it still
         # set up makes the process abort at exit ("terminate called without
@@ -540,14 +539,8 @@ class Engine:
 
     def step(self) -> bool:
         """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._waiting.append(item)
-                self.counters["submitted"] += 1
+        for item in self._take_inbox():
+            self._admit(item)
         self._drop_cancelled()
         self._prefill()
         if self._live or self._ready:
@@ -557,6 +550,21 @@ class Engine:
         return bool(self._live or self._ready or self._waiting)
 
     # -- admission ---------------------------------------------------------------
+
+    def _take_inbox(self) -> list[Request]:
+        """The requests submitted since the last look (without the stop marker)."""
+        items = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
+
+    def _admit(self, r: Request) -> None:
+        self._waiting.append(r)
+        self.counters["submitted"] += 1
 
     def _drop_cancelled(self) -> None:
         for q in (self._waiting,):
@@ -874,13 +882,8 @@ class Engine:
         for r in list(self._waiting) + self._ready + self._live:
             if not r.done:
                 self._fail(r, RuntimeError(why))
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                self._fail(item, RuntimeError(why))
+        for item in self._take_inbox():
+            self._fail(item, RuntimeError(why))
 
     # -- statistics ---------------------------------------------------------------
 
