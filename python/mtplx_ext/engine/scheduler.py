@@ -832,7 +832,7 @@ class Engine:
         every commit costs quadratic time in its length.
         """
         longest = max((len(x) for x in r.stop), default=0)
-        need = max(0, r._sent - longest + 1)  # the first character the stop search reads
+        need = max(0, r._sent - max(longest - 1, 0))  # the first character the stop search reads
         while len(r._marks) > 1 and r._marks[1][1] <= need:
             r._marks.pop(0)
         base_tok, base = r._marks[0]
@@ -850,8 +850,7 @@ class Engine:
         cut = False
         end_all = base + len(window)
         if r.stop:
-            start = max(0, r._sent - longest + 1)
-            hits = [i for i in (window.find(x, start - base) for x in r.stop) if i >= 0]
+            hits = [i for i in (window.find(x, need - base) for x in r.stop) if i >= 0]
             if hits:
                 end_all, cut, final = base + min(hits), True, True
         # Hold back what could still become a stop string.
