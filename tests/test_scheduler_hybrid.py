@@ -45,14 +45,18 @@ def rng() -> np.random.Generator:
 def test_greedy_requests_arriving_at_random_cycles_equal_mlx_lm_decoding_of_each_prompt_alone(rng, family, depth, mtp):
     rt = _runtime(family, rng)
     arrivals, refs = [], []
-    for _ in range(7):
-        prompt = random_prompt(rng, rt, 1, 30)
-        cap = int(rng.integers(1, 16))
+    for i in range(7):
+        # The first two arrive together with short prompts, long caps and no stop token, so at least two rows
+        # run merged whatever the other draws are (random arrivals alone sometimes never overlapped).
+        together = i < 2
+        prompt = random_prompt(rng, rt, 1, 8 if together else 30)
+        cap = 15 if together else int(rng.integers(1, 16))
         ref, gaps = reference(rt, prompt, cap)
         # Sometimes a token the stream will reach is a stop token.
-        stops = {ref[int(rng.integers(len(ref)))]} if rng.random() < 0.3 else set()
+        stops = {ref[int(rng.integers(len(ref)))]} if not together and rng.random() < 0.3 else set()
         refs.append((prompt, ref, gaps, stops, cap))
-        arrivals.append((int(rng.integers(0, 20)), dict(prompt=prompt, max_tokens=cap, stop_token_ids=sorted(stops))))
+        arrival = 0 if together else int(rng.integers(0, 20))
+        arrivals.append((arrival, dict(prompt=prompt, max_tokens=cap, stop_token_ids=sorted(stops))))
     model = KeyedHead(rt, [p + ref for p, ref, *_ in refs], rng) if mtp else rt
     eng = Engine(model, max_batch=3, depth=depth, use_mtp=mtp, prefill_chunk=8)
     live: list[int] = []
