@@ -269,3 +269,19 @@ def test_small_row_products_match_float64_and_openblas_and_are_row_independent(t
     nf = r["nf"]
     assert np.isfinite(nf[0]).all() and np.isnan(nf[1]).all() and np.isposinf(nf[2]).all()
     assert any(c["small_calls"] for c in info["cases"]) == has_fma
+
+
+def test_the_shim_is_found_next_to_the_built_extension_when_not_next_to_the_sources(tmp_path, monkeypatch):
+    # An editable install keeps the sources in the tree and the built files
+    # (extension, shim) in site-packages: the shim must still be found there.
+    from mtplx_ext import _blas
+
+    ext = importlib.util.find_spec("mtplx_ext._ext")
+    built = Path(ext.origin).with_name(_blas._SHIM_NAME)
+    if not built.exists():
+        pytest.skip("this build has no BLAS shim")
+    monkeypatch.setattr(_blas, "__file__", str(tmp_path / "_blas.py"))
+    assert _blas._shim_path() == built
+    # Neither next to the sources nor next to the extension: none.
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert _blas._shim_path() is None

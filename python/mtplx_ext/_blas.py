@@ -153,8 +153,8 @@ def load() -> BlasStatus:
         _status = _reference(reason)
         return _status
 
-    shim_path = Path(__file__).with_name(_SHIM_NAME)
-    if not shim_path.exists():
+    shim_path = _shim_path()
+    if shim_path is None:
         _status = fail(f"{_SHIM_NAME} is not installed next to mtplx_ext")
         return _status
     openblas = _find_openblas()
@@ -193,6 +193,20 @@ def load() -> BlasStatus:
         threads=shim.mtplx_blas_get_threads(),
     )
     return _status
+
+
+def _shim_path() -> Path | None:
+    """The installed shim: next to this file, or (an editable install) next to the built extension."""
+    here = Path(__file__).with_name(_SHIM_NAME)
+    if here.exists():
+        return here
+    # Locating the extension does not import it (nor mlx.core).
+    spec = importlib.util.find_spec("mtplx_ext._ext")
+    if spec is not None and spec.origin:
+        built = Path(spec.origin).with_name(_SHIM_NAME)
+        if built.exists():
+            return built
+    return None
 
 
 def status() -> BlasStatus:

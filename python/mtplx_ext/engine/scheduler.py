@@ -402,7 +402,7 @@ class Engine:
         self.stats = BatchedDecodeResult(streams=[], depth=self.depth if self.mtp else 0,
                                          reached=[0] * self.depth, accepted_at=[0] * self.depth)
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
-                         "generated_tokens": 0, "recompositions": 0}
+                         "generated_tokens": 0, "recompositions": 0, "row_forwards": 0}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wired: Any = None
@@ -778,6 +778,8 @@ class Engine:
             return
         self.stats.cycles += 1
         self.stats.forwards += 1
+        # Rows the forward computed, finished ones not yet evicted included.
+        self.counters["row_forwards"] += len(reqs)
         for i, r in enumerate(reqs):
             if r.finish_reason is not None or st.done[i]:
                 continue
