@@ -401,7 +401,9 @@ def test_cli_convert_writes_a_quantized_folder_with_its_head(tmp_path, hf, capsy
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "deepseek_v3", "mimo"])
-def test_a_checkpoint_with_several_mtp_layers_loads_the_first_and_warns(tmp_path, hf, seed, family):
+def test_a_checkpoint_with_several_mtp_layers_loads_each_and_convert_and_mtp_from_keep_them(tmp_path, hf, seed, family):
+    from mlx_lm import convert as mlx_lm_convert
+
     from mtplx_ext import models
 
     folder, t = hf(family)
@@ -411,8 +413,8 @@ def test_a_checkpoint_with_several_mtp_layers_loads_the_first_and_warns(tmp_path
     text = cfg.get("text_config", cfg)
     text["mtp_num_hidden_layers" if "mtp_num_hidden_layers" in text else "num_nextn_predict_layers"] = 2
     (two / "config.json").write_text(json.dumps(cfg))
-    # Layer 1: layer 0's tensors under the next layer's names, perturbed, so a
-    # loader that used them would draft differently.
+    # Layer 1: layer 0's own tensors (not the ones a Qwen3-Next layout shares)
+    # under the next layer's names, perturbed, so it drafts differently.
     mod = models.layout_module(L.LAYOUT[family])
     p0, p1 = mod.layer_prefix(L.text(cfg), 0), mod.layer_prefix(L.text(cfg), 1)
     extra = {p1 + k[len(p0):]: (v + np.float32(0.5)).astype(v.dtype) for k, v in t.items() if k.startswith(p0)}
@@ -421,10 +423,23 @@ def test_a_checkpoint_with_several_mtp_layers_loads_the_first_and_warns(tmp_path
     index = json.loads((two / "model.safetensors.index.json").read_text())
     index["weight_map"].update({k: "model-extra.safetensors" for k in extra})
     (two / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.warns(UserWarning, match="has 2 MTP layers"):
-        rt2 = mtplx_ext.load(two, fuse_cpu_ops=False)
+    rt2 = mtplx_ext.load(two, fuse_cpu_ops=False)
     rt1 = mtplx_ext.load(folder, fuse_cpu_ops=False)
-    assert_bit_equal(params_np(rt1), params_np(rt2))
+    assert len(rt1.mtp_modules) == 1 and len(rt2.mtp_modules) == 2
+    assert_bit_equal(params_np(rt1), {k: v for k, v in params_np(rt2).items() if not k.startswith("more_modules.")})
     x = tokens(np.random.default_rng(seed), rt1.vocab_size)
-    (l1, h1), (l2, h2) = rt1.forward(x), rt2.forward(x)
+    (_, h1), (_, h2) = rt1.forward(x), rt2.forward(x)
     assert mx.array_equal(rt1.head_forward(h1, x), rt2.head_forward(h2, x)).item()
+    assert not mx.array_equal(rt2.head_forward(h2, x), rt2.head_forward(h2, x, module=1)).item()
+    # Converted either way, the folder keeps layer 1.
+    convert.convert(two, tmp_path / "full", dtype="float32")
+    full = mtplx_ext.load(tmp_path / "full", fuse_cpu_ops=False)
+    assert mx.array_equal(full.head_forward(h2, x, module=1), rt2.head_forward(h2, x, module=1)).item()
+    if family not in ("qwen3_next", "mimo"):
+        return  # --mtp-from reads mlx-lm conversions; mlx-lm converts these layouts (as in the --mtp-from test)
+    with contextlib.redirect_stdout(io.StringIO()):
+        mlx_lm_convert(str(folder), str(tmp_path / "mlx"), dtype="float32")
+    convert.add_mtp(two, tmp_path / "mlx", tmp_path / "added")
+    assert_bit_equal(saved(tmp_path / "added"), saved(tmp_path / "full"))
+    back = mtplx_ext.load(tmp_path / "added", fuse_cpu_ops=False)
+    assert mx.array_equal(back.head_forward(h2, x, module=1), rt2.head_forward(h2, x, module=1)).item()

@@ -39,6 +39,29 @@ def test_the_depth_loss_is_the_mean_ce_of_the_head_applied_k_times_to_its_own_st
     assert abs(head_ce1.item() - ces[0]) < 1e-4 and abs(trunk_ce.item() - _ce(logits, targets)) < 1e-4
 
 
+def test_with_several_mtp_modules_depth_k_trains_module_k_minus_1_and_each_gets_a_gradient():
+    rt = mtplx_ext.init_random("deepseek_v3", seed=fresh_seed(), vocab_size=64, num_nextn_predict_layers=2)
+    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 13)).astype(np.int32))
+    loss, _ = train.joint_loss(rt, seq, 1.0, 0.0, 3, train_trunk=False)
+    inputs, targets = seq[:, :-1], seq[:, 1:]
+    _, hidden = rt.forward(inputs)
+
+    def by_hand(modules):
+        h, ces = hidden, []
+        for k, module in zip(range(1, 4), modules):
+            n = targets.shape[1] - k
+            head_logits, h = rt.head_forward(h[:, :n], targets[:, k - 1 : k - 1 + n], return_hidden=True, module=module)
+            ces.append(_ce(head_logits, targets[:, k : k + n]))
+        return np.mean(ces)
+
+    assert abs(loss.item() - by_hand([0, 1, 0])) < 1e-4
+    assert abs(loss.item() - by_hand([0, 0, 0])) > 1e-3  # the first module alone is another objective
+    rt.trunk.freeze()
+    _, grads = nn.value_and_grad(rt, lambda s: train.joint_loss(rt, s, 1.0, 0.0, 2, train_trunk=False)[0])(seq)
+    for top in ("head", "more_modules"):
+        assert any(k.startswith(top + ".") and float(mx.abs(g).max()) > 0 for k, g in tree_flatten(grads)), top
+
+
 def test_a_frozen_trunk_gets_no_gradient_and_the_head_does():
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
     rt.trunk.freeze()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -331,34 +330,55 @@ def _declared_mtp_layers(config: dict) -> int:
     return int(n) if isinstance(n, int) and not isinstance(n, bool) else 0
 
 
-def _drop_later_mtp_layers(weights: dict[str, Any], layout_mod: Any, config: dict, where: str) -> None:
-    """Removes MTP layers 1.. of a checkpoint from `weights` (in place), with a warning.
+def _mtp_module_count(weights: dict[str, Any] | None, layout_mod: Any, config: dict, where: str) -> int:
+    """MTP modules to build: those the weights hold (0, 1, ...), else the config's count.
 
-    The head is one MTP layer applied recursively for every draft (as vLLM
-    does with a single layer). A checkpoint with several (DeepSeek-style
-    sequential modules) would want layer i for draft i, with each layer's
-    cache holding the previous layer's states at every position, which a
-    decode does not compute; its first layer alone still drafts, and the
-    output is exact either way.
+    Raises:
+        CheckpointError: a later layer present while an earlier one is missing.
     """
     declared = _declared_mtp_layers(config)
-    dropped, i = 0, 1
-    while True:
-        prefix = layout_mod.layer_prefix(config, i)
-        found = [k for k in weights if k.startswith(prefix)]
-        if not found and i >= declared:
-            break
-        for k in found:
-            del weights[k]
-        dropped += bool(found)
-        i += 1
-    if dropped:
-        warnings.warn(
-            f"{where}: the checkpoint has {dropped + 1} MTP layers; mtplx_ext applies the first one for every "
-            f"draft and leaves the other {dropped} unloaded",
-            UserWarning,
-            stacklevel=3,
+    if weights is None:
+        return max(1, declared)
+
+    def present(i: int) -> bool:
+        return any(k.startswith(layout_mod.layer_prefix(config, i)) for k in weights)
+
+    n = 1
+    while present(n):
+        n += 1
+    later = next((i for i in range(n + 1, max(n, declared) + 2) if present(i)), None)
+    if later is not None:
+        raise CheckpointError(f"{where}: the weights hold MTP layer {later} but layer {n} is missing")
+    return n
+
+
+def _load_head_modules(
+    mods: list[Any], weights: dict[str, Any], quantization: dict | None, layout: str, named: bool, where: str
+) -> None:
+    """Takes every MTP module's tensors out of `weights` and loads them strictly.
+
+    Raises:
+        CheckpointError: no head tensors under a named layout, a head tensor
+            no module owns (e.g. layer 2 without layer 1), or a module's
+            missing / unexpected / misshapen tensors.
+    """
+    raw: dict[str, Any] = {}
+    for m in mods:
+        raw.update(take_prefixed(weights, m.prefix))
+    if not raw and named:
+        raise CheckpointError(
+            f"{where} names MTP head layout {layout!r} but the weights hold no MTP head tensors "
+            f"({mods[0].prefix}*); add them with `mtplx-ext convert --mtp-from HF_FOLDER MLX_FOLDER OUT`"
         )
+    stray = sorted(k for k in raw if not any(m.owns(k) for m in mods))
+    if stray:
+        more = f" and {len(stray) - 4} more" if len(stray) > 4 else ""
+        raise CheckpointError(f"MTP head ({layout}): unexpected tensor(s) {', '.join(stray[:4])}{more}")
+    for m in mods:
+        head_w = m.sanitize(raw)
+        if quantization is not None:
+            quant.quantize_for_load(m, quantization, head_w, lambda p, m=m: head_checkpoint_name(m, p))
+        load_strict(m, head_w, f"MTP head ({layout}, {m.prefix}*)", m.to_checkpoint_name)
 
 
 def build_runtime(
@@ -410,25 +430,18 @@ def build_runtime(
     named = layout is not _DEFAULT and layout not in (None, "none")
     if layout is _DEFAULT:
         layout = models.detect_layout(weights or {}, config)
-    if layout in (None, "none"):
-        head = None
-    else:
+    mods: list[Any] = []
+    if layout not in (None, "none"):
         mod = models.layout_module(layout)
-        head = mod.Model(mod.ModelArgs.from_config(config), trunk)
+        args = mod.ModelArgs.from_config(config)
+        mods = [mod.Model(args, trunk)]
+        for i in range(1, _mtp_module_count(weights, mod, config, where)):
+            mods.append(mod.Model(args, trunk, module=i, first=mods[0]))
+    head = mods[0] if mods else None
     if weights is not None:
         weights = dict(weights)
-        if head is not None:
-            _drop_later_mtp_layers(weights, models.layout_module(layout), config, where)
-            raw = take_prefixed(weights, head.prefix)
-            if not raw and named:
-                raise CheckpointError(
-                    f"{where} names MTP head layout {layout!r} but the weights hold no MTP head tensors "
-                    f"({head.prefix}*); add them with `mtplx-ext convert --mtp-from HF_FOLDER MLX_FOLDER OUT`"
-                )
-            head_w = head.sanitize(raw)
-            if quantization is not None:
-                quant.quantize_for_load(head, quantization, head_w, lambda p: head_checkpoint_name(head, p))
-            load_strict(head, head_w, f"MTP head ({layout}, {head.prefix}*)", head.to_checkpoint_name)
+        if mods:
+            _load_head_modules(mods, weights, quantization, layout, named, where)
         if hasattr(trunk, "sanitize"):
             weights = trunk.sanitize(weights)
         if quantization is not None:
@@ -437,7 +450,7 @@ def build_runtime(
     config = {**config, "mtp_head_layout": layout if head is not None else None}
     if head is not None:
         config["mtp_hidden_source"] = head.args.hidden_source
-    runtime = MTPRuntime(trunk, head, config, tokenizer)
+    runtime = MTPRuntime(trunk, head, config, tokenizer, more_modules=mods[1:])
     mx.eval(runtime.parameters())
     return runtime
 
@@ -483,7 +496,7 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
-    head_w = runtime.head.checkpoint_weights() if runtime.head is not None else {}
+    head_w = head_checkpoint_weights(runtime)
     ours = {name for name, _ in trunk_shards(trunk_w)} | ({HEAD_FILE} if head_w else set())
     stale = sorted(f.name for f in path.glob("*.safetensors") if f.name not in ours)
     if stale:
@@ -498,6 +511,14 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
     write_config(path, config)
     if runtime.tokenizer is not None:
         runtime.tokenizer.save(str(path / "tokenizer.json"))
+
+
+def head_checkpoint_weights(runtime: MTPRuntime) -> dict[str, mx.array]:
+    """Every MTP module's tensors under checkpoint names (tensors modules share appear once)."""
+    out: dict[str, mx.array] = {}
+    for m in runtime.mtp_modules:
+        out.update(m.checkpoint_weights())
+    return out
 
 
 def trunk_shards(trunk_w: dict[str, mx.array]) -> list[tuple[str, dict[str, mx.array]]]:
@@ -539,9 +560,9 @@ def _spread_init(runtime: MTPRuntime, std: float) -> None:
     lm = trunk_lib.text_model(runtime.trunk)
     if "lm_head" in lm:
         lm.lm_head.weight = mx.random.normal(lm.lm_head.weight.shape, scale=std)
-    head = runtime.head
-    if head is not None and "shared_head" in head:
-        head.shared_head.head.weight = mx.random.normal(head.shared_head.head.weight.shape, scale=std)
+    for head in runtime.mtp_modules:
+        if "shared_head" in head:
+            head.shared_head.head.weight = mx.random.normal(head.shared_head.head.weight.shape, scale=std)
 
 
 def init_random(

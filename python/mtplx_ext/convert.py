@@ -37,6 +37,7 @@ from mtplx_ext.checkpoint import (
     CheckpointError,
     _read_config,
     build_runtime,
+    head_checkpoint_weights,
     read_index,
     read_safetensors,
     read_weights,
@@ -79,6 +80,18 @@ def head_prefix(layout: str, config: dict) -> str:
     if layout == "deepseek":
         return models.deepseek_head.prefix_for(trunk_lib.text_config(config))
     return models.layout_module(layout).PREFIX
+
+
+def is_head_key(layout: str, config: dict, key: str) -> bool:
+    """Whether a checkpoint key belongs to one of the head's MTP modules (any of them)."""
+    if layout == "deepseek":
+        # Module i sits at model.layers.{num_hidden_layers + i}.
+        parts = key.split(".")
+        n = int(trunk_lib.text_config(config)["num_hidden_layers"])
+        return key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= n
+    if layout == "mimo":
+        return key.startswith("model.mtp_layers.")
+    return key.startswith(head_prefix(layout, config))
 
 
 def family_layout(config: dict, where: str) -> str:
@@ -242,7 +255,7 @@ def convert(
 
 
 def _write(rt: Any, src: Path, out: Path, layout: str, trunk_from: Path | None = None) -> dict:
-    head_w = rt.head.checkpoint_weights()
+    head_w = head_checkpoint_weights(rt)
     if trunk_from is None:
         trunk_w = dict(tree_flatten(rt.trunk.parameters()))
         write_weights(out, trunk_w, head_w)
@@ -327,18 +340,17 @@ def add_mtp(
                 f"{mt.get(field)!r} in {mlx_path / 'config.json'}"
             )
     names = _weight_names(hf_path, all_shards=False)
-    shards = sorted({f for k, f in names.items() if k.startswith(prefix)})
+    shards = sorted({f for k, f in names.items() if is_head_key(layout, hf_cfg, k)})
     if not shards:
         raise _no_head_error(hf_path, prefix)
     for f in shards:
         if not (hf_path / f).is_file():
             raise FileNotFoundError(f"{hf_path / INDEX_FILE} puts MTP tensors in {f!r}, which is missing from the folder")
     mlx_names = _weight_names(mlx_path)
-    if any(k.startswith(prefix) for k in mlx_names):
+    if any(is_head_key(layout, mlx_cfg, k) for k in mlx_names):
         raise CheckpointError(f"{mlx_path} already holds MTP head tensors ({prefix}*)")
     with _output_folder(out, [hf_path, mlx_path]):
-        return _add_head(hf_path, mlx_path, out, layout, prefix, shards, ht, mt, mlx_cfg, mtp_bits, keep_fusion_float,
-                         progress)
+        return _add_head(hf_path, mlx_path, out, layout, shards, ht, mt, mlx_cfg, mtp_bits, keep_fusion_float, progress)
 
 
 def _add_head(
@@ -346,7 +358,6 @@ def _add_head(
     mlx_path: Path,
     out: Path,
     layout: str,
-    prefix: str,
     shards: list[str],
     ht: dict,
     mt: dict,
@@ -359,7 +370,7 @@ def _add_head(
     head_w: dict[str, mx.array] = {}
     for f in _progress(shards, "reading MTP shards", progress):
         part = read_safetensors(hf_path / f)
-        head_w.update({k: v for k, v in part.items() if k.startswith(prefix)})
+        head_w.update({k: v for k, v in part.items() if is_head_key(layout, ht, k)})
     trunk_w = read_weights(mlx_path)
     config = {**mlx_cfg, "mtp_head_layout": layout}
     for field in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
@@ -367,18 +378,20 @@ def _add_head(
             config[field] = ht[field]
     rt = build_runtime(config, {**trunk_w, **head_w}, where=str(mlx_path / "config.json"))
     dtype = _trunk_float_dtype(rt)
-    rt.head.update(tree_map_with_path(
-        lambda _, v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v, rt.head.parameters()
-    ))
     q = rt.config.get("quantization")
+    q = None if q is None else dict(q)
+    for head in rt.mtp_modules:
+        head.update(tree_map_with_path(
+            lambda _, v: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v, head.parameters()
+        ))
+        if q is not None:
+            bits = q["bits"] if mtp_bits is ... else mtp_bits
+            keep = KEEP_FUSION_FLOAT if keep_fusion_float is None else keep_fusion_float
+            fusion = head.to_checkpoint_name(head.fusion_module + ".weight")[: -len(".weight")]
+            quant.quantize_head(
+                head, rt.trunk, q, bits, q["group_size"], q.get("mode", "affine"), lambda n, f=fusion: keep and n == f
+            )
     if q is not None:
-        q = dict(q)
-        bits = q["bits"] if mtp_bits is ... else mtp_bits
-        keep = KEEP_FUSION_FLOAT if keep_fusion_float is None else keep_fusion_float
-        fusion = rt.head.to_checkpoint_name(rt.head.fusion_module + ".weight")[: -len(".weight")]
-        quant.quantize_head(
-            rt.head, rt.trunk, q, bits, q["group_size"], q.get("mode", "affine"), lambda n: keep and n == fusion
-        )
         object.__setattr__(rt, "_config", {**rt.config, "quantization": q, "quantization_config": q})
     mx.eval(rt.parameters())
     return _write(rt, mlx_path, out, layout, trunk_from=mlx_path)

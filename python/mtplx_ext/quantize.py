@@ -186,11 +186,12 @@ def quantize_runtime(
     """
     config = quantize_trunk(runtime.trunk, runtime.config, bits, group_size, mode)
     q = config["quantization"]
-    head = runtime.head
-    if head is not None:
-        hb = bits if mtp_bits is ... else mtp_bits
+    hb = bits if mtp_bits is ... else mtp_bits
+    for head in runtime.mtp_modules:
         fusion = head.to_checkpoint_name(head.fusion_module + ".weight")[: -len(".weight")]
-        quantize_head(head, runtime.trunk, q, hb, group_size, mode, lambda n: keep_fusion_float and n == fusion)
+        quantize_head(
+            head, runtime.trunk, q, hb, group_size, mode, lambda n, f=fusion: keep_fusion_float and n == f
+        )
     config["quantization_config"] = q
     object.__setattr__(runtime, "_config", config)
     mx.eval(runtime.parameters())

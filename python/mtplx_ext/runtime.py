@@ -7,6 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
 
 from mtplx_ext._checks import as_int, as_int_list
 from mtplx_ext.models import trunk as trunk_lib
@@ -43,6 +44,9 @@ class MTPRuntime(nn.Module):
     Attributes:
         trunk: the mlx-lm `Model` of the trunk family (its own call works).
         head: the MTP head, or None when the checkpoint has no MTP weights.
+        mtp_modules: every MTP module of the checkpoint, `head` first
+            (DeepSeek-style sequential modules: module i drafts the
+            (i + 1)-th token of a cycle); empty without a head.
         model_type: trunk family, e.g. "qwen3" or "qwen3_next".
         head_layout: "qwen3_next", "deepseek", "mimo" or None.
         config: the full config.json contents.
@@ -56,11 +60,14 @@ class MTPRuntime(nn.Module):
         head: MTPHead | None,
         config: dict,
         tokenizer: Any = None,
+        more_modules: list[MTPHead] | None = None,
     ):
         super().__init__()
         self.trunk = trunk
         if head is not None:
             self["head"] = head
+            if more_modules:
+                self["more_modules"] = list(more_modules)
         # Plain attributes: nn.Module would treat a dict as a parameter tree.
         object.__setattr__(self, "_config", dict(config))
         self.tokenizer = tokenizer
@@ -106,6 +113,13 @@ class MTPRuntime(nn.Module):
         return self.get("head")
 
     @property
+    def mtp_modules(self) -> list[MTPHead]:
+        """The head's MTP modules in checkpoint order (one for most checkpoints)."""
+        if not self.has_mtp:
+            return []
+        return [self.head] + list(self.get("more_modules", []))
+
+    @property
     def hidden_source(self) -> str | None:
         """"pre_norm" or "post_norm": where the head taps the trunk; None without a head."""
         return self.head.args.hidden_source if self.has_mtp else None
@@ -131,12 +145,33 @@ class MTPRuntime(nn.Module):
             self.trunk, _check_left_padding(left_padding), ragged, _check_capacity(capacity)
         )
 
-    def make_head_cache(self, left_padding: list[int], ragged: bool = False, capacity: int | None = None) -> list:
-        """Batch-aware caches for the head's attention layer(s) (see `make_cache`)."""
+    def make_head_cache(
+        self, left_padding: list[int], ragged: bool = False, capacity: int | None = None, depth: int = 1
+    ) -> list:
+        """Batch-aware caches for the head's attention layer(s) (see `make_cache`).
+
+        With one MTP module: its layer's caches (the module is applied
+        recursively for every draft). With several: a decode of `depth`
+        drafts per cycle keeps one cache per draft position j = 0..depth-1
+        (module j % modules at sequential depth j; its left padding grows by
+        j, since position t of depth j pairs the token at t + 1 + j) and,
+        after them, depth - 1 one-leaf `ArraysCache`s carrying each depth's
+        output at its last committed position (`engine.drafter`).
+        """
         pads = _check_left_padding(left_padding)
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
-        return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, _check_capacity(capacity))
+        cap = _check_capacity(capacity)
+        mods = self.mtp_modules
+        if len(mods) == 1:
+            return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, cap)
+        depth = as_int("depth", depth, lo=1)
+        kv = [
+            c
+            for j in range(depth)
+            for c in trunk_lib.make_layer_caches(mods[j % len(mods)].layer_list(), [p + j for p in pads], ragged, cap)
+        ]
+        return kv + [ArraysCache(1) for _ in range(depth - 1)]
 
     @property
     def has_recurrent_layers(self) -> bool:
@@ -198,6 +233,7 @@ class MTPRuntime(nn.Module):
         head_cache: list | None = None,
         *,
         return_hidden: bool = False,
+        module: int = 0,
     ) -> mx.array | tuple[mx.array, mx.array]:
         """The MTP head's logits for the token after next.
 
@@ -211,6 +247,10 @@ class MTPRuntime(nn.Module):
                 the trunk's `head_hidden`): fed back with the head's draft,
                 they draft the token after that (depth > 1, as vLLM's MTP
                 proposer applies one MTP layer recursively).
+            module: which of `mtp_modules` runs. Module i of a checkpoint
+                with several is trained on module i - 1's hidden states
+                (`return_hidden`) at t and the token at t + 1 + i, and
+                predicts the token at t + 2 + i.
 
         Returns:
             [B, T, V] logits for the tokens at t + 2; with return_hidden,
@@ -218,6 +258,7 @@ class MTPRuntime(nn.Module):
         """
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
+        module = as_int("module", module, lo=0, hi=len(self.mtp_modules))
         next_tokens = _check_tokens("next_tokens", next_tokens)
         if not isinstance(hidden, mx.array) or hidden.ndim != 3:
             raise ValueError("hidden must be an mx.array of shape [B, T, H]")
@@ -226,14 +267,17 @@ class MTPRuntime(nn.Module):
                 f"hidden {tuple(hidden.shape)} and next_tokens {tuple(next_tokens.shape)} "
                 "must agree on [B, T]"
             )
-        chained, normed = self.head_states(hidden, next_tokens, head_cache)
-        logits = self.head_logits(normed)
+        chained, normed = self.head_states(hidden, next_tokens, head_cache, module)
+        logits = self.head_logits(normed, module)
         return (logits, chained) if return_hidden else logits
 
     def head_states(
-        self, hidden: mx.array, next_tokens: mx.array, head_cache: list | None = None
+        self, hidden: mx.array, next_tokens: mx.array, head_cache: list | None = None, module: int = 0
     ) -> tuple[mx.array, mx.array]:
         """The head's states without the vocabulary projection (no argument checks).
+
+        Args:
+            module: which of `mtp_modules` runs.
 
         Returns:
             ([B, T, H] hidden to chain the head on, [B, T, H] normed states
@@ -241,12 +285,12 @@ class MTPRuntime(nn.Module):
             it drafts from.
         """
         embeds = trunk_lib.safe_embed(self.trunk, next_tokens, self.vocab_size)
-        pre, post = self.head.states(hidden, embeds, head_cache)
+        pre, post = self.mtp_modules[module].states(hidden, embeds, head_cache)
         return (pre if self.hidden_source == "pre_norm" else post), post
 
-    def head_logits(self, normed: mx.array) -> mx.array:
-        """[B, T, V] head logits from `head_states`' normed states."""
-        return self.head.logits(normed, self.trunk)
+    def head_logits(self, normed: mx.array, module: int = 0) -> mx.array:
+        """[B, T, V] head logits from `head_states`' normed states (of MTP module `module`)."""
+        return self.mtp_modules[module].logits(normed, self.trunk)
 
     # -- rollback (the decode loop's repair; see cache_state) --------------
 

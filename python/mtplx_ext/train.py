@@ -194,7 +194,9 @@ def joint_loss(
     Depth 1: the head sees the trunk's state at t and the true token t + 1
     and predicts t + 2. Depth k > 1 is the head applied again, as at decode
     time: it sees its own output state of depth k - 1 and the true token
-    t + k, and predicts t + k + 1 (teacher forcing).
+    t + k, and predicts t + k + 1 (teacher forcing). A head with several MTP
+    modules runs module (k - 1) % modules at depth k (DeepSeek's sequential
+    MTP objective).
 
     Args:
         rt: the runtime being trained.
@@ -221,7 +223,9 @@ def joint_loss(
     head_losses, head_ce1 = [], None
     for k in range(1, depth + 1):
         n = T - k  # positions t whose token t + k + 1 is in the window
-        head_logits, h = rt.head_forward(h[:, :n], targets[:, k - 1 : k - 1 + n], return_hidden=True)
+        head_logits, h = rt.head_forward(
+            h[:, :n], targets[:, k - 1 : k - 1 + n], return_hidden=True, module=(k - 1) % len(rt.mtp_modules)
+        )
         head_logits = head_logits.astype(mx.float32)
         ce = nn.losses.cross_entropy(head_logits, targets[:, k : k + n], reduction="mean")
         loss_k = ce
@@ -264,7 +268,9 @@ def evaluate(rt, tokens: np.ndarray, seq_len: int, max_tokens: int, batch: int =
         h = hidden
         for k in range(1, depth + 1):
             m = T - k
-            head_logits, h = rt.head_forward(h[:, :m], targets[:, k - 1 : k - 1 + m], return_hidden=True)
+            head_logits, h = rt.head_forward(
+                h[:, :m], targets[:, k - 1 : k - 1 + m], return_hidden=True, module=(k - 1) % len(rt.mtp_modules)
+            )
             if k == 1:
                 stats["head_ce"] = nn.losses.cross_entropy(head_logits, targets[:, 1:], reduction="mean")
             stats[f"agree_{k}"] = mx.mean(mx.argmax(head_logits, axis=-1) == trunk_pred[:, k : k + m])

@@ -25,8 +25,9 @@ How a rejected draft is undone (the commit):
 
 The head keeps a KV cache of (hidden at t, token t + 1) pairs in step with
 the trunk: after each cycle it consumes the committed positions, drafts from
-its output at the last one, and drops the K - 1 slots its chained steps
-wrote.
+its output at the last one, and drops the slots its chained steps wrote
+(`engine.drafter`: one MTP module applied recursively, or several applied in
+sequence).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from mlx.utils import tree_flatten
 from mtplx_ext import cache_state, gated_delta
 from mtplx_ext.compiled_step import CompiledStep
 from mtplx_ext.engine import bundle as chain
+from mtplx_ext.engine.drafter import make_drafter, model_tokens
 
 #: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
 PREFILL_STEP = 2048
@@ -72,12 +74,6 @@ def _kept_steps(runtime: Any) -> OrderedDict[tuple, tuple[Any, CompiledStep]]:
         kept = _KeptSteps()
         setattr(runtime, "_mtplx_kept_steps", kept)
     return kept.steps
-
-
-def model_tokens(tokens: mx.array) -> mx.array:
-    """Token ids safe to embed: INVALID (-1) rows only occur for finished or
-    failing streams, and the raw ids still go to verification, which flags them."""
-    return mx.maximum(tokens, 0)
 
 
 @dataclass
@@ -125,39 +121,12 @@ class Cycle:
         self.depth = depth
         self.recurrent = cache_state.has_recurrent_state(cache)
         self.per_stream = per_stream
+        self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth)
         # Compiled steps by kind (see `compile_steps`), or None (eager).
         self.compiled: dict[str, CompiledStep] | None = None
 
     def caches(self) -> list[list]:
         return [self.cache] + ([self.head_cache] if self.head_cache is not None else [])
-
-    # -- draft ---------------------------------------------------------------
-
-    def draft(self, chained: mx.array, normed: mx.array, x0: mx.array, step: Any) -> tuple[mx.array, Any]:
-        """K chained head steps from the head's state at x0's position.
-
-        Args:
-            chained, normed: [B, 1, H] head states (`head_states`) of the pair
-                (hidden before x0, x0).
-            x0: [B] the next cycle's x0.
-
-        Returns:
-            ([B, K + 1] (x0, d_1..d_K), the drafts' info stacked [B, K, ...] or None).
-        """
-        prefix = [x0]
-        d, info = self.policy.draft(self.rt.head_logits(normed)[:, 0], step, 1, prefix)
-        drafts, infos = [d], [info]
-        for i in range(2, self.depth + 1):
-            chained, normed = self.rt.head_states(chained, model_tokens(d)[:, None], self.head_cache)
-            prefix.append(d)
-            d, info = self.policy.draft(self.rt.head_logits(normed)[:, 0], step, i, prefix)
-            drafts.append(d)
-            infos.append(info)
-        if self.depth > 1:
-            # The chained steps' slots: the next cycle writes the true pairs there.
-            cache_state.trim_kv(self.head_cache, self.depth - 1)
-        info = None if infos[0] is None else mx.stack(infos, axis=1)
-        return mx.stack([x0] + drafts, axis=1), info
 
     def prefill(self, padded: mx.array) -> tuple[mx.array, Any]:
         """Chunked prompt forward, the first x0 and the head's first drafts.
@@ -186,7 +155,7 @@ class Cycle:
             # The head consumes (hidden at t, token t + 1); the last chunk's
             # final pair needs x0, so that chunk waits for it.
             if self.head_cache is not None and s != starts[-1]:
-                self.rt.head_states(hidden, padded[:, s + 1 : s + chunk + 1], self.head_cache)
+                self.drafter.pairs(hidden, padded[:, s + 1 : s + chunk + 1])
             mx.async_eval([c.state for cl in self.caches() for c in cl])
             if s != starts[-1]:
                 yield
@@ -195,9 +164,9 @@ class Cycle:
         if self.head_cache is None:
             return x0[:, None], None
         nxt = mx.concatenate([padded[:, starts[-1] + 1 :], model_tokens(x0)[:, None]], axis=1)
-        chained, normed = self.rt.head_states(hidden, nxt, self.head_cache)
+        start = self.drafter.pairs(hidden, nxt)
         cache_state.finish_prefill(self.head_cache)
-        return self.draft(chained[:, -1:], normed[:, -1:], x0, 0)
+        return self.drafter.draft(start, x0, 0)
 
     # -- verify --------------------------------------------------------------
 
@@ -222,36 +191,27 @@ class Cycle:
         b = p.bundle
         n = chain.accepted_count(b)
         c = chain.committed_tokens(b)
-        # Head pairs (h_j, c_{j+1}) for j = 0..K; a stream keeps the first n + 1.
-        chained, normed = self._head_pairs(p.hidden, c, n)
         x0 = mx.take_along_axis(c, n[:, None], axis=1)[:, 0]
         dropped = self.depth - n
+        # Head pairs (h_j, c_{j+1}) for j = 0..K; a stream keeps the first n + 1.
+        start = self.drafter.pairs(p.hidden, c, n, dropped)
         if p.capture is not None:
             cache_state.commit_streams(self.cache, n, self.depth, p.capture)
         else:
             cache_state.rollback_streams(self.cache, dropped)
-        cache_state.rollback_streams(self.head_cache, dropped)
         self.policy.commit(b, n)
         self.policy.set_next(x0)
-        return self.draft(chained, normed, x0, step)
-
-    def _head_pairs(self, hidden: mx.array, nxt: mx.array, at: mx.array | None = None) -> tuple[mx.array, mx.array]:
-        """The head over (hidden_j, nxt_j) pairs; its [B, 1, H] states at index `at` per stream (default: the last)."""
-        chained, normed = self.rt.head_states(hidden, model_tokens(nxt), self.head_cache)
-        if at is None:
-            return chained[:, -1:], normed[:, -1:]
-        idx = at[:, None, None]
-        return mx.take_along_axis(chained, idx, axis=1), mx.take_along_axis(normed, idx, axis=1)
+        return self.drafter.draft(start, x0, step)
 
     def commit_all(self, p: Pending, step: Any) -> tuple[mx.array, Any]:
         """Uniform repair, no stream going on rejected: commit x0, d_1..d_K; go on from c_{K+1}."""
         b = p.bundle
         c = chain.committed_tokens(b)
-        chained, normed = self._head_pairs(p.hidden, c)
+        start = self.drafter.pairs(p.hidden, c)
         x0 = c[:, -1]
         self.policy.commit(b, self.depth)
         self.policy.set_next(x0)
-        return self.draft(chained, normed, x0, step)
+        return self.drafter.draft(start, x0, step)
 
     def repair(self, p: Pending, r: int, step: Any) -> tuple[mx.array, Any]:
         """Uniform repair: roll the batch back and re-forward [x0, c_1..c_r]."""
@@ -264,8 +224,8 @@ class Cycle:
         logits, hidden = self.rt.forward(model_tokens(seq), self.cache)
         self.policy.commit(b, r)
         x0 = self.policy.pick(logits[:, -1], step)
-        chained, normed = self._head_pairs(hidden, mx.concatenate([c[:, :r], x0[:, None]], axis=1))
-        return self.draft(chained, normed, x0, step)
+        start = self.drafter.pairs(hidden, mx.concatenate([c[:, :r], x0[:, None]], axis=1))
+        return self.drafter.draft(start, x0, step)
 
     def plain_step(self, tokens: mx.array, step: Any) -> Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""

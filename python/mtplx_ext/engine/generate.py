@@ -210,7 +210,7 @@ def _generate(
         head_room = max_new_tokens + 2 * depth + 1  # all of a short decode, else grown in steps
         kw = {"ragged": True, "capacity": width + min(head_room, cycle_mod.COMPILED_GROW_STEP)}
     cache = runtime.make_cache(pads, **kw)
-    head_cache = runtime.make_head_cache(pads, **kw) if mtp else None
+    head_cache = runtime.make_head_cache(pads, **kw, depth=depth) if mtp else None
     cyc = Cycle(runtime, policy, cache, head_cache, depth, per_stream)
     tokens, info = cyc.prefill(padded)
     # A device barrier (no host read) so prefill and decode times separate.

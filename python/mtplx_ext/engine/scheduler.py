@@ -226,7 +226,7 @@ class _Batch:
         rt = engine.rt
         pads = [0] * B
         self.cache = rt.make_cache(pads, ragged=True, capacity=cap)
-        self.head_cache = rt.make_head_cache(pads, ragged=True, capacity=cap) if engine.mtp else None
+        self.head_cache = rt.make_head_cache(pads, ragged=True, capacity=cap, depth=engine.depth) if engine.mtp else None
         if kind == "greedy":
             self.policy: Any = GreedyPolicy()
         else:
@@ -615,7 +615,7 @@ class Engine:
         rt = self.rt
         cap = _capacity(r.need)
         cache = rt.make_cache([0], ragged=True, capacity=cap)
-        head = rt.make_head_cache([0], ragged=True, capacity=cap) if self.mtp else None
+        head = rt.make_head_cache([0], ragged=True, capacity=cap, depth=self.depth) if self.mtp else None
         s = r.sampler
         policy: Any = GreedyPolicy() if s.greedy and not s.has_penalties else SampledPolicy(s, row_seeds=[r.seed])
         cyc = Cycle(rt, policy, cache, head, self.depth, per_stream=self.mtp)

@@ -57,9 +57,12 @@ class MTPHead(nn.Module):
     prefix: str = ""
     fusion_module: str = ""
 
-    def __init__(self, args: HeadArgs, trunk: nn.Module):
+    def __init__(self, args: HeadArgs, trunk: nn.Module, module: int = 0):
         super().__init__()
         self.args = args
+        #: Which MTP module of the checkpoint this is (0: the first; module i
+        #: drafts the (i + 1)-th token of a cycle).
+        self.module_index = module
         self._array_mask = trunk_lib.uses_array_mask(trunk)
 
     def combine(self, hidden: mx.array, embeds: mx.array) -> mx.array:
@@ -115,6 +118,10 @@ class MTPHead(nn.Module):
     def to_checkpoint_name(self, name: str) -> str:
         """Checkpoint key of a module-relative parameter name."""
         return self.prefix + name
+
+    def owns(self, key: str) -> bool:
+        """Whether a checkpoint key is one of this module's tensors (`sanitize` takes exactly these)."""
+        return key.startswith(self.prefix)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint head weights -> module-relative names.
@@ -192,8 +199,8 @@ class FlatBlockHead(MTPHead):
     own_modules: tuple[str, ...] = ()
     ignored_modules: tuple[str, ...] = ()
 
-    def __init__(self, args: HeadArgs, trunk: nn.Module, prefix: str):
-        super().__init__(args, trunk)
+    def __init__(self, args: HeadArgs, trunk: nn.Module, prefix: str, module: int = 0):
+        super().__init__(args, trunk, module)
         self.prefix = prefix
         text = trunk_lib.text_model(trunk)
         self._trunk_cls = type(text)

@@ -72,8 +72,10 @@ class Model(FlatBlockHead):
     ignored_modules = ("embed_tokens",)
     fusion_module = "eh_proj"  # the [H, 2H] projection of the concatenation
 
-    def __init__(self, args: ModelArgs, trunk: nn.Module):
-        super().__init__(args, trunk, prefix=f"model.layers.{args.num_hidden_layers}.")
+    def __init__(self, args: ModelArgs, trunk: nn.Module, module: int = 0, first: nn.Module | None = None):
+        # Module i (its own norms, projection, block and shared head) is the
+        # i-th layer after the trunk's last.
+        super().__init__(args, trunk, prefix=f"model.layers.{args.num_hidden_layers + module}.", module=module)
         h = args.hidden_size
         self.enorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
         self.hnorm = nn.RMSNorm(h, eps=args.rms_norm_eps)

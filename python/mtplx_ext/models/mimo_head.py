@@ -10,9 +10,8 @@ Checkpoint keys::
 
 Note the concatenation order: hidden first, then the token embedding. The
 embedding and lm_head are the trunk's. MiMo feeds the head the trunk hidden
-state before the final norm by default. Only `mtp_layers.0` is used (applied
-recursively for every draft); further MTP layers of a checkpoint are left
-unloaded, with a warning.
+state before the final norm by default. A checkpoint with several MTP
+layers stores layer i under `model.mtp_layers.{i}.`, all of the same shape.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ class ModelArgs(HeadArgs):
 
 
 def layer_prefix(config: dict, i: int) -> str:
-    """Checkpoint prefix of MTP layer i (the head uses layer 0)."""
+    """Checkpoint prefix of MTP layer i."""
     return f"model.mtp_layers.{i}."
 
 
@@ -52,8 +51,8 @@ class Model(FlatBlockHead):
     own_modules = ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")
     fusion_module = "input_proj"  # the [H, 2H] projection of the concatenation
 
-    def __init__(self, args: ModelArgs, trunk: nn.Module):
-        super().__init__(args, trunk, prefix=PREFIX)
+    def __init__(self, args: ModelArgs, trunk: nn.Module, module: int = 0, first: nn.Module | None = None):
+        super().__init__(args, trunk, prefix=layer_prefix({}, module), module=module)
         h = args.hidden_size
         self.token_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
         self.hidden_layernorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
