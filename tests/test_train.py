@@ -62,6 +62,31 @@ def test_with_several_mtp_modules_depth_k_trains_module_k_minus_1_and_each_gets_
         assert any(k.startswith(top + ".") and float(mx.abs(g).max()) > 0 for k, g in tree_flatten(grads)), top
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "mimo"])
+def test_added_mtp_modules_start_as_copies_of_the_last_and_train_on_their_own(tmp_path, family):
+    from mtplx_ext.checkpoint import add_mtp_modules
+
+    rt = mtplx_ext.init_random(family, seed=fresh_seed(), vocab_size=64)
+    add_mtp_modules(rt, 3)
+    assert len(rt.mtp_modules) == 3
+    x = mx.array(np.random.default_rng().integers(0, 64, size=(2, 7)))
+    _, h = rt.forward(x)
+    first = rt.head_forward(h, x)
+    assert all(mx.array_equal(first, rt.head_forward(h, x, module=i)).item() for i in (1, 2))
+    # Copies, not shared arrays: changing one module leaves the others.
+    name, w = next((k, v) for k, v in tree_flatten(rt.mtp_modules[1].parameters()) if "layers" in k or "block" in k)
+    rt.mtp_modules[1].load_weights([(name, w + 1.0)], strict=False)
+    assert mx.array_equal(first, rt.head_forward(h, x)).item()
+    assert not mx.array_equal(first, rt.head_forward(h, x, module=1)).item()
+    rt.save(tmp_path)
+    assert len(mtplx_ext.load(tmp_path).mtp_modules) == 3
+    with pytest.raises(ValueError, match="count"):
+        add_mtp_modules(rt, 2)
+    q = mtplx_ext.init_random(family, seed=fresh_seed(), quantize={"bits": 4, "group_size": 32})
+    with pytest.raises(ValueError, match="quantized"):
+        add_mtp_modules(q, 2)
+
+
 def test_a_frozen_trunk_gets_no_gradient_and_the_head_does():
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
     rt.trunk.freeze()
@@ -77,6 +102,8 @@ def test_a_hybrid_trunk_can_be_built_for_training():
                             trunk="qwen3_next", full_attention_interval=2)
     rt = train.build_runtime(cfg, tokenizer=None)
     assert rt.has_recurrent_layers and rt.has_mtp
+    cfg.mtp_layers = 2
+    assert len(train.build_runtime(cfg, tokenizer=None).mtp_modules) == 2
 
 
 @pytest.mark.parametrize(
@@ -85,6 +112,7 @@ def test_a_hybrid_trunk_can_be_built_for_training():
         (["--depth", "9"], "--depth"),
         (["--freeze-trunk", "1"], "--freeze-trunk"),
         (["--trunk", "llama"], "--trunk"),
+        (["--mtp-layers", "0"], "--mtp-layers"),
     ],
 )
 def test_bad_training_arguments_are_refused_naming_the_flag(argv, message, capsys):

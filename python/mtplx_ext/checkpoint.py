@@ -513,6 +513,38 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
         runtime.tokenizer.save(str(path / "tokenizer.json"))
 
 
+def add_mtp_modules(runtime: MTPRuntime, count: int) -> None:
+    """Grows a runtime's head to `count` MTP modules, each new one a copy of the last (e.g. to fine-tune).
+
+    Raises:
+        ValueError: no head, or `count` below the modules it has.
+    """
+    mods = runtime.mtp_modules
+    if not mods:
+        raise ValueError("this model has no MTP head to add modules to")
+    count = as_int("count", count, lo=len(mods))
+    if count == len(mods):
+        return
+    layout = models.layout_module(runtime.head_layout)
+    last = mods[-1]
+    for i in range(len(mods), count):
+        m = layout.Model(runtime.head.args, runtime.trunk, module=i, first=runtime.head)
+        # The last module's tensors of the same names (a later qwen3_next module
+        # has only its layer: the combination and norm stay the first's), copied.
+        want = {k: v.shape for k, v in tree_flatten(m.parameters())}
+        src = {k: v for k, v in tree_flatten(last.parameters()) if k in want}
+        if {k: v.shape for k, v in src.items()} != want:
+            raise ValueError("cannot copy a quantized MTP module: add modules to the float model, then quantize")
+        m.load_weights([(k, mx.array(v)) for k, v in src.items()], strict=True)
+        mods.append(m)
+    runtime["more_modules"] = mods[1:]
+    config = dict(runtime.config)
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers" if "mtp_num_hidden_layers" in text else "num_nextn_predict_layers"] = count
+    object.__setattr__(runtime, "_config", config)
+    mx.eval(runtime.parameters())
+
+
 def head_checkpoint_weights(runtime: MTPRuntime) -> dict[str, mx.array]:
     """Every MTP module's tensors under checkpoint names (tensors modules share appear once)."""
     out: dict[str, mx.array] = {}

@@ -36,6 +36,8 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from mtplx_ext.checkpoint import add_mtp_modules
+
 EOS = "<|endoftext|>"
 # Parts of the stdlib tree that are not ordinary Python source: installed
 # packages, test suites, generated encoding tables and doc data.
@@ -146,6 +148,9 @@ class TrainConfig:
     #: hybrid, one attention layer every `full_attention_interval`).
     trunk: str = "qwen3"
     full_attention_interval: int = 4
+    #: MTP layers of the head (depth k trains layer (k - 1) % layers); an
+    #: --init folder with fewer gets copies of its last layer.
+    mtp_layers: int = 1
 
 
 def build_runtime(cfg: TrainConfig, tokenizer):
@@ -171,6 +176,7 @@ def build_runtime(cfg: TrainConfig, tokenizer):
         intermediate_size=cfg.intermediate,
         tie_word_embeddings=True,
         max_position_embeddings=4096,
+        num_nextn_predict_layers=cfg.mtp_layers,
         **hybrid,
     )
     # init_random spreads the embedding for random-model tests; for training,
@@ -364,6 +370,9 @@ def train(cfg: TrainConfig) -> dict:
             c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
         )
     rt = start if start is not None else build_runtime(cfg, tok)
+    if len(rt.mtp_modules) > cfg.mtp_layers:
+        raise ValueError(f"--init {cfg.init} has {len(rt.mtp_modules)} MTP layers, more than --mtp-layers {cfg.mtp_layers}")
+    add_mtp_modules(rt, cfg.mtp_layers)
     if cfg.freeze_trunk:
         rt.trunk.freeze()  # embedding and lm_head too: the head shares them
     n_params = sum(v.size for _, v in _flatten(rt.parameters()))
@@ -581,6 +590,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         p.error("--trunk must be qwen3 or qwen3_next")
     if not 1 <= cfg.depth <= 8:
         p.error("--depth must be in 1..8")
+    if not 1 <= cfg.mtp_layers <= 8:
+        p.error("--mtp-layers must be in 1..8")
     if cfg.freeze_trunk and not cfg.init:
         p.error("--freeze-trunk 1 needs --init MODEL_DIR (a trained trunk)")
     if cfg.minutes <= 0 and cfg.max_steps <= 0:
