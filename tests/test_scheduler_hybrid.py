@@ -69,6 +69,9 @@ def test_greedy_requests_arriving_at_random_cycles_equal_mlx_lm_decoding_of_each
         s = eng.stats
         assert s.forwards == s.cycles  # per-stream commit: no repair forward
         assert 0 < s.accepted < s.drafted, (s.accepted, s.drafted)
+        # Rows computed: every request's own cycles, at most a full batch per cycle.
+        m = eng.metrics()
+        assert sum(r.cycles for r in reqs) <= m["row_forwards"] <= m["cycles"] * eng.max_batch
     assert eng.live_streams == 0 and eng.kv_slots == 0
 
 
