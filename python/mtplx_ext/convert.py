@@ -84,14 +84,7 @@ def head_prefix(layout: str, config: dict) -> str:
 
 def is_head_key(layout: str, config: dict, key: str) -> bool:
     """Whether a checkpoint key belongs to one of the head's MTP modules (any of them)."""
-    if layout == "deepseek":
-        # Module i sits at model.layers.{num_hidden_layers + i}.
-        parts = key.split(".")
-        n = int(trunk_lib.text_config(config)["num_hidden_layers"])
-        return key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit() and int(parts[2]) >= n
-    if layout == "mimo":
-        return key.startswith("model.mtp_layers.")
-    return key.startswith(head_prefix(layout, config))
+    return models.layout_module(layout).is_head_key(trunk_lib.text_config(config), key)
 
 
 def family_layout(config: dict, where: str) -> str:

@@ -2,8 +2,10 @@
 
 Each layout module exposes `LAYOUT`, `DEFAULT_HIDDEN_SOURCE`,
 `ModelArgs.from_config(config)`, `detect(weights, config)`,
-`layer_prefix(config, i)` (where MTP layer i's tensors sit) and `Model(args,
-trunk)` (an `MTPHead` with `sanitize` / `checkpoint_weights`).
+`layer_prefix(config, i)` (where MTP layer i's tensors sit), `is_head_key(config,
+key)` (a tensor of any MTP layer) and `Model(args, trunk, module=0, first=None)`
+(an `MTPHead` with `sanitize` / `checkpoint_weights`; module i > 0 of a
+checkpoint with several MTP layers is built with the first as `first`).
 """
 
 from __future__ import annotations

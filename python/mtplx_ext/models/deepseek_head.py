@@ -52,6 +52,15 @@ def layer_prefix(config: dict, i: int) -> str:
     return f"model.layers.{int(config['num_hidden_layers']) + i}."
 
 
+def is_head_key(config: dict, key: str) -> bool:
+    """Whether a checkpoint key is an MTP module's: module i is layer num_hidden_layers + i."""
+    parts = key.split(".")
+    return (
+        key.startswith("model.layers.") and len(parts) > 2 and parts[2].isdigit()
+        and int(parts[2]) >= int(config["num_hidden_layers"])
+    )
+
+
 def detect(weights: dict, config: dict) -> bool:
     """Whether a checkpoint holds weights of this layout."""
     if "num_hidden_layers" not in config:

@@ -41,6 +41,11 @@ def layer_prefix(config: dict, i: int) -> str:
     return f"model.mtp_layers.{i}."
 
 
+def is_head_key(config: dict, key: str) -> bool:
+    """Whether a checkpoint key is an MTP module's."""
+    return key.startswith("model.mtp_layers.")
+
+
 def detect(weights: dict, config: dict) -> bool:
     """Whether a checkpoint holds weights of this layout."""
     return f"{PREFIX}input_proj.weight" in weights

@@ -50,6 +50,11 @@ def layer_prefix(config: dict, i: int) -> str:
     return f"{PREFIX}layers.{i}."
 
 
+def is_head_key(config: dict, key: str) -> bool:
+    """Whether a checkpoint key is an MTP module's."""
+    return key.startswith(PREFIX)
+
+
 def detect(weights: dict, config: dict) -> bool:
     """Whether a checkpoint holds weights of this layout."""
     return any(k.startswith(PREFIX) for k in weights)
