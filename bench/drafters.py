@@ -21,6 +21,8 @@ import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 import argparse
 import statistics
 
+from mtp_layers import mean_accepted_length, per_depth, side_by_side
+
 from mtplx_ext import _blas, cli
 from mtplx_ext.runtime import MTPRuntime
 
@@ -44,26 +46,20 @@ def main() -> None:
     runtimes = {"recursive": rt, "sequential": sequential_view(rt)}
     prompts = cli.heldout_prompts(rt.tokenizer, args.batch, 48, seed=0)
     depths = [int(d) for d in args.depth.split(",")]
-    runs: dict[tuple[int, str], list] = {(d, n): [] for d in depths for n in runtimes}
-    for rep in range(args.repeats + 1):  # the first round warms traces and kernels up
-        for d in depths:
-            for name, m in runtimes.items():
-                r = mtplx_ext.generate_greedy_batched(m, prompts, max_new_tokens=args.tokens, depth=d)
-                if rep:
-                    runs[(d, name)].append(r)
+    runs = side_by_side(runtimes, [prompts], depths, args.tokens, args.repeats)
     print(f"BLAS: {_blas.describe()}; {args.batch} held-out prompts as one batch, {args.tokens} new tokens, greedy, "
           f"medians of {args.repeats} interleaved repeats")
     print("| depth | drafter | head calls / cycle | tokens/s | acceptance per depth | mean accepted length | same tokens |")
     print("|---:|---|---:|---:|---|---:|---|")
     for d in depths:
-        base = [s.tokens for s in runs[(d, "recursive")][0].streams]
+        base = runs[(d, "recursive")][0].outputs
         for name in runtimes:
             rs = runs[(d, name)]
             tps = statistics.median(r.tokens_per_s for r in rs)
-            per = "/".join(f"{a:.3f}" for a in rs[0].acceptance_per_depth)
-            same = sum(s.tokens == b for s, b in zip(rs[0].streams, base))
+            same = sum(a == b for a, b in zip(rs[0].outputs, base))
             calls = d if name == "recursive" else 2 * d - 1
-            print(f"| {d} | {name} | {calls} | {tps:.1f} | {per} | {rs[0].mean_accepted_length:.3f} | {same}/{len(base)} |")
+            print(f"| {d} | {name} | {calls} | {tps:.1f} | {per_depth(rs[0])} | {mean_accepted_length(rs[0]):.3f} "
+                  f"| {same}/{len(base)} |")
 
 
 if __name__ == "__main__":

@@ -20,8 +20,35 @@ import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 
 import argparse
 import statistics
+from typing import Any
 
 from mtplx_ext import _blas, cli
+
+
+def side_by_side(
+    runtimes: dict[str, Any], groups: list[list[list[int]]], depths: list[int], tokens: int, repeats: int
+) -> dict[tuple[int, str], list[cli.Run]]:
+    """Greedy decodes of every prompt group, per (depth, runtime), interleaved; one combined Run per pass.
+
+    The first pass warms traces and kernels up and is dropped.
+    """
+    runs: dict[tuple[int, str], list[cli.Run]] = {(d, name): [] for d in depths for name in runtimes}
+    for rep in range(repeats + 1):
+        for d in depths:
+            for name, rt in runtimes.items():
+                run = cli.combined_runs([cli.engine_run(rt, g, tokens, True, depth=d) for g in groups])
+                if rep:
+                    runs[(d, name)].append(run)
+    return runs
+
+
+def per_depth(run: cli.Run) -> str:
+    """Acceptance at each draft position, as a/b/c."""
+    return "/".join(f"{a / max(1, n):.3f}" for a, n in zip(run.accepted_at, run.reached))
+
+
+def mean_accepted_length(run: cli.Run) -> float:
+    return run.accepted / max(1, run.stream_cycles)
 
 
 def main() -> None:
@@ -35,30 +62,18 @@ def main() -> None:
     args = ap.parse_args()
     rts = {m: mtplx_ext.load(m) for m in args.models}
     prompts = cli.heldout_prompts(next(iter(rts.values())).tokenizer, args.prompts, 48, seed=0)
-    groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     depths = [int(d) for d in args.depth.split(",")]
-    runs: dict[tuple[int, str], list[list]] = {(d, m): [] for d in depths for m in rts}
-    for rep in range(args.repeats + 1):  # the first pass warms traces and kernels up
-        for d in depths:
-            for m, rt in rts.items():
-                res = [mtplx_ext.generate_greedy_batched(rt, g, max_new_tokens=args.tokens, depth=d) for g in groups]
-                if rep:
-                    runs[(d, m)].append(res)
+    runs = side_by_side(rts, cli.prompt_groups(prompts, args.batch), depths, args.tokens, args.repeats)
     print(f"BLAS: {_blas.describe()}; {args.prompts} held-out prompts, {args.batch} per batch, {args.tokens} new "
           f"tokens, greedy, tokens/s medians of {args.repeats} interleaved passes")
     print("| depth | model | MTP layers | acceptance per depth | mean accepted length | tokens/s |")
     print("|---:|---|---:|---|---:|---:|")
     for d in depths:
         for m, rt in rts.items():
-            res = runs[(d, m)][0]
-            per = "/".join(
-                f"{sum(r.accepted_at[j] for r in res) / max(1, sum(r.reached[j] for r in res)):.3f}" for j in range(d)
-            )
-            L = sum(r.accepted for r in res) / max(1, sum(r.stream_cycles for r in res))
-            tps = statistics.median(
-                sum(len(s.tokens) for r in rs for s in r.streams) / sum(r.decode_s for r in rs) for rs in runs[(d, m)]
-            )
-            print(f"| {d} | {m} | {len(rt.mtp_modules)} | {per} | {L:.3f} | {tps:.1f} |")
+            rs = runs[(d, m)]
+            tps = statistics.median(r.tokens_per_s for r in rs)
+            print(f"| {d} | {m} | {len(rt.mtp_modules)} | {per_depth(rs[0])} | {mean_accepted_length(rs[0]):.3f} "
+                  f"| {tps:.1f} |")
 
 
 if __name__ == "__main__":
