@@ -2,7 +2,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "primitives.h"
+#include "state_primitives.h"
+#include "verify_primitives.h"
 #include "sampling_primitives.h"
 
 namespace mtplx {

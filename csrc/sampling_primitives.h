@@ -1,6 +1,6 @@
 // MLX primitives of the sampled path: one class per op. eval_cpu lives in
 // cpu/sampling.cpp, eval_gpu in metal/sampling.cpp (no_metal_sampling.cpp
-// where MLX has no Metal backend). python/mtplx_ext/sampling.py holds the
+// where MLX has no Metal backend). python/mtplx_ext/sampling/reference.py holds the
 // definition every kernel follows.
 #pragma once
 

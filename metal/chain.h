@@ -1,7 +1,7 @@
 // Depth-K chain verification kernels: verify_greedy_chain and
 // verify_sampled_chain, one threadgroup per stream. A row's verification
 // positions are read one after another, only as far as the chain gets; the
-// rules are those of python/mtplx_ext/sampling.py (shared pieces in
+// rules are those of python/mtplx_ext/sampling/reference.py (shared pieces in
 // mtplx_rules.h), the sampled transforms those of sampling.h.
 #pragma once
 
@@ -57,7 +57,7 @@ inline ArgmaxAcc tg_row_argmax(
   return r;
 }
 
-// One chain bundle row [x0, n, c_1..c_{K+1}] (as csrc/cpu/chain.cpp).
+// One chain bundle row [x0, n, c_1..c_{K+1}] (as csrc/cpu/chain_bundle.h).
 inline void write_chain_row(
     device int* out,
     int K,

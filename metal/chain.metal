@@ -1,6 +1,6 @@
 // Instantiations of the chain kernels. Host names:
 // verify_greedy_chain_<logits dtype>_<token dtype> and
-// verify_sampled_chain_<logits dtype>_<token dtype>, as csrc/metal/chain.cpp
+// verify_sampled_chain_<logits dtype>_<token dtype>, as csrc/metal/verify_greedy.cpp and csrc/metal/sampling.cpp
 // builds them.
 #include "chain.h"
 

@@ -1,6 +1,6 @@
 // Rules of the gated delta rule capture (GatedDeltaCapture) shared by the CPU
 // kernel (csrc/cpu/gated_delta.cpp), the Metal kernel (metal/gated_delta.h)
-// and the op's argument checks (csrc/ops.cpp).
+// and the op's argument checks (csrc/state_ops.cpp).
 //
 // Per batch b, value head h (key head h / (Hv / Hk)) and value row j, with the
 // state row s = S[b, h, j, :] held in float32 for the whole chunk:

@@ -82,7 +82,7 @@ MTPLX_FN bool takes_over(int key, int idx, int best_key, int best_idx) {
   return key > best_key || (key == best_key && idx < best_idx);
 }
 
-// ---- Sampling (python/mtplx_ext/sampling.py documents the full definition).
+// ---- Sampling (python/mtplx_ext/sampling/reference.py documents the full definition).
 // CPU kernels instantiate these with double, Metal kernels with float.
 
 // Packed per-row sampler parameters: [B, kParamCols] float32.

@@ -1,6 +1,6 @@
 // Sampling kernels: sample_tokens and verify_sampled, one threadgroup per
 // stream. The transform and the kept-set rules are those of
-// python/mtplx_ext/sampling.py (shared pieces in mtplx_rules.h), computed in
+// python/mtplx_ext/sampling/reference.py (shared pieces in mtplx_rules.h), computed in
 // float32: the kept prefix (top-k, top-p) comes from threshold searches by
 // bisection over the ordered key of z with counting / mass passes over the
 // row, never from a sort. Results equal the CPU kernels (double precision)

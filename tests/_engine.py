@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext import SamplerConfig
-from mtplx_ext.engine.scheduler import Engine
+from mtplx_ext.batching import Engine
 
 
 def random_prompt(rng: np.random.Generator, rt, lo: int = 1, hi: int = 40) -> list[int]:

@@ -45,7 +45,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from safetensors.numpy import save_file
 
-from mtplx_ext import checkpoint
+from mtplx_ext import checkpoints as checkpoint
 
 # The trunk shapes are mtplx_ext's own small configs; what is added here is
 # what a published config.json carries besides them (architectures, the head

@@ -2,8 +2,10 @@ import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 import os
 import sys
 
-# Helpers shared by test modules (tests/_*.py) import as plain modules.
+# Helpers shared by test modules (tests/_*.py) import as plain modules, and
+# so does the Metal emulator tool (tests/tools/metal_shim).
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
 
 
 import pytest  # noqa: E402
@@ -25,3 +27,19 @@ def emu(request, tmp_path_factory):
     cache = getattr(request.config, "cache", None)
     root = cache.mkdir("metal_emulator") if cache else tmp_path_factory.mktemp("emu")
     return emulator.Emulator(emulator.build(Path(root)))
+
+
+@pytest.fixture()
+def rng():
+    """Fresh random inputs every run (a seed would make the test check one case forever)."""
+    import numpy as np
+
+    return np.random.default_rng()
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The trained model shipped inside the package."""
+    from mtplx_ext.shipped import SHIPPED_MODEL
+
+    return mtplx_ext.load(SHIPPED_MODEL)

@@ -8,7 +8,7 @@
 #include "cpu/thread_pool.h"
 #include "gated_delta_rules.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "primitives.h"
+#include "state_primitives.h"
 
 namespace mtplx {
 

@@ -1,5 +1,5 @@
 // eval_cpu of SampleTokens and VerifySampled. Each row runs the transform of
-// python/mtplx_ext/sampling.py in double precision; the kept prefix (top-k,
+// python/mtplx_ext/sampling/reference.py in double precision; the kept prefix (top-k,
 // top-p, min-p) comes from radix selects over an order-preserving 64-bit key
 // of the transformed logits, never from a sort of V.
 #include "cpu/sampling.h"

@@ -1,4 +1,4 @@
-// CPU rows of the sampled path: the transform of python/mtplx_ext/sampling.py
+// CPU rows of the sampled path: the transform of python/mtplx_ext/sampling/reference.py
 // in double precision, without a sort of V (radix select with counting and
 // mass histograms finds the kept prefix).
 #pragma once

@@ -2,7 +2,7 @@
 
 #include "cpu/fused_common.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "primitives.h"
+#include "state_primitives.h"
 
 namespace mtplx {
 

@@ -1,9 +1,14 @@
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
+#include "cpu/chain_bundle.h"
 #include "cpu/fused_common.h"
 #include "cpu/row_argmax.h"
+#include "cpu/row_jobs.h"
 #include "mlx/dtype.h"
-#include "primitives.h"
+#include "mtplx_rules.h"
+#include "verify_primitives.h"
 
 namespace mtplx {
 
@@ -63,6 +68,72 @@ void VerifyGreedy::eval_cpu(
     } else {
       verify_rows(lp, logits.dtype(), tokens.data<int64_t>(), op, B, V);
     }
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
+}
+
+namespace {
+
+cpu::RowArgmax argmax_row(const void* row, mx::Dtype dtype, int V) {
+  if (dtype == mx::float32) {
+    return cpu::row_argmax_f32(static_cast<const uint32_t*>(row), V);
+  } else if (dtype == mx::float16) {
+    return cpu::row_argmax_f16(static_cast<const uint16_t*>(row), V);
+  }
+  return cpu::row_argmax_bf16(static_cast<const uint16_t*>(row), V);
+}
+
+// Rough cost of one argmax row scan (ns per logit), for the thread count.
+constexpr double kArgmaxNsPerLogit = 0.3;
+
+} // namespace
+
+void VerifyGreedyChain::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto job = [](std::vector<mx::array>& in, mx::array& out) {
+    const mx::array& logits = in[0];
+    const mx::array& tokens = in[1];
+    const int B = logits.shape(0);
+    const int T = logits.shape(1);
+    const int K = T - 1;
+    const int V = logits.shape(2);
+    const char* base = static_cast<const char*>(logits.data<void>());
+    const size_t rb = cpu::row_bytes(logits, V);
+    const mx::Dtype dt = logits.dtype();
+    int32_t* o = out.data<int32_t>();
+    auto run_row = [&](int b) {
+      const int64_t x0 = cpu::read_id(tokens, size_t(b) * T);
+      int32_t c[kMaxChainDrafts + 1];
+      int n = kInvalid;
+      if (x0 >= 0 && x0 < V) {
+        const char* r0 = base + size_t(b) * T * rb;
+        cpu::RowArgmax a = argmax_row(r0, dt, V);
+        n = a.valid ? 0 : kInvalid;
+        // Row i is read only once d_1..d_i all matched: a broken row past
+        // the first mismatch cannot affect the commit.
+        while (n >= 0 && n < K) {
+          const int64_t d = cpu::read_id(tokens, size_t(b) * T + n + 1);
+          if (d != a.index) {
+            break;
+          }
+          cpu::RowArgmax next = argmax_row(r0 + size_t(n + 1) * rb, dt, V);
+          if (!next.valid) {
+            n = kInvalid;
+            break;
+          }
+          c[n] = int32_t(d);
+          a = next;
+          ++n;
+        }
+        if (n >= 0) {
+          c[n] = a.index;
+        }
+      }
+      cpu::write_chain(o + size_t(b) * (K + 3), K, V, x0, n, c);
+    };
+    const double cost = double(B) * T * V * kArgmaxNsPerLogit;
+    cpu::parallel_for(B, cpu::row_threads(B, cost), run_row, cost);
   };
   cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
 }

@@ -4,7 +4,7 @@
 
 #include "gated_delta_rules.h"
 #include "metal/device.h"
-#include "primitives.h"
+#include "state_primitives.h"
 
 namespace mtplx {
 
@@ -23,7 +23,7 @@ void GatedDeltaCapture::eval_gpu(
   for (auto& o : outputs) {
     o.set_data(mx::allocator::malloc(o.nbytes()));
   }
-  auto& q = inputs[0]; // [B, T, Hk, Dk], row contiguous (see ops.cpp)
+  auto& q = inputs[0]; // [B, T, Hk, Dk], row contiguous (see state_ops.cpp)
   auto& v = inputs[2]; // [B, T, Hv, Dv]
   const int B = q.shape(0), T = q.shape(1), Hk = q.shape(2), Dk = q.shape(3);
   const int Hv = v.shape(2), Dv = v.shape(3);

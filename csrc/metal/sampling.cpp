@@ -61,4 +61,23 @@ void VerifySampled::eval_gpu(
       });
 }
 
+void VerifySampledChain::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto& vl = inputs[0];
+  auto& tokens = inputs[2];
+  const int K = vl.shape(1) - 1;
+  const int V = vl.shape(2);
+  metal::launch_verify_rows(
+      stream(),
+      "verify_sampled_chain",
+      vl,
+      tokens,
+      out,
+      metal::sampling_threads,
+      [&](auto& enc) {
+        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, K);
+      });
+}
+
 } // namespace mtplx

@@ -5,7 +5,7 @@
 
 #include "metal/device.h"
 #include "metal/launch_plan.h"
-#include "primitives.h"
+#include "state_primitives.h"
 
 namespace mtplx {
 

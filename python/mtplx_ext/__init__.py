@@ -1,4 +1,21 @@
-"""mtplx_ext: fast, exact batched MTP speculative decoding on MLX."""
+"""mtplx_ext: fast, exact batched MTP speculative decoding on MLX.
+
+The package is layered; each layer imports only the layers below it:
+
+    _blas, _abi, _ext, _checks, shipped   the extension, its ABI check, argument checks
+    sampling                             the sampler settings and the exact acceptance rule
+    ops                                  typed wrappers of the fused primitives
+    cache                                ragged KV, rollback / commit, row state, compiled steps
+    models                               trunk helpers, MTP head layouts, MTPRuntime, mlx-lm patches
+    checkpoints                          load / save / convert / quantize / random models
+    engine                               policies, drafter, cycle, streams, statistics, generate
+    batching                             continuous batching: requests, admission, the Engine
+    serve                                the OpenAI-compatible HTTP server
+    train, benchmark, cli                tools: training, the bench harness, `mtplx-ext`
+
+Import `mtplx_ext` before `mlx.core` on Linux: it routes MLX's CPU matmuls to
+OpenBLAS first (`mtplx_ext.BLAS` says which BLAS is in use).
+"""
 
 # Must run before mlx.core is first imported: on Linux it routes MLX's CPU
 # matmuls to OpenBLAS. If mlx.core is already loaded it warns and leaves MLX's
@@ -11,72 +28,93 @@ from mtplx_ext._abi import check_extension as _check_extension  # noqa: E402
 
 _check_extension()
 
-from mtplx_ext.state import restore_state, snapshot_state  # noqa: E402
-from mtplx_ext.verify import verify_greedy, verify_greedy_chain  # noqa: E402
+import warnings as _warnings  # noqa: E402
+
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
-from mtplx_ext.sampled import sample_tokens, verify_sampled, verify_sampled_chain  # noqa: E402
-from mtplx_ext.ragged_cache import RaggedKVCache  # noqa: E402
-from mtplx_ext.gated_delta import gated_delta_capture, route_gated_delta  # noqa: E402
-from mtplx_ext.compiled_step import CompiledStep  # noqa: E402
-from mtplx_ext.runtime import MTPRuntime  # noqa: E402
-from mtplx_ext.checkpoint import CheckpointError, init_random, load  # noqa: E402
-from mtplx_ext.fused import (  # noqa: E402
-    AttentionPatch,
-    MlxLmPatch,
+from mtplx_ext.ops import (  # noqa: E402
+    gated_delta_capture,
+    restore_state,
+    rms_norm,
+    rope,
+    route_gated_delta,
+    sample_tokens,
+    scaled_dot_product_attention,
+    snapshot_state,
+    swiglu,
+    verify_greedy,
+    verify_greedy_chain,
+    verify_sampled,
+    verify_sampled_chain,
+)
+from mtplx_ext.cache import CompiledStep, RaggedKVCache  # noqa: E402
+from mtplx_ext.models import mlx_lm_patches as _patches  # noqa: E402
+from mtplx_ext.models.fused_modules import (  # noqa: E402
     FusedRMSNorm,
     FusedRoPE,
     FusedZeroCentredRMSNorm,
     fuse_cpu_ops,
-    patch_mlx_lm_attention,
-    patch_mlx_lm_ops,
-    patch_mlx_lm_swiglu,
-    rms_norm,
-    rope,
-    scaled_dot_product_attention,
-    swiglu,
 )
+from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
+from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
 from mtplx_ext.engine import (  # noqa: E402
     BatchedDecodeResult,
     StreamResult,
     generate_batched,
     generate_greedy_batched,
 )
+from mtplx_ext.batching import Engine, Event, Request  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionPatch",
-    "MlxLmPatch",
+    "BLAS",
+    "BatchedDecodeResult",
+    "CheckpointError",
+    "CompiledStep",
+    "Engine",
+    "Event",
     "FusedRMSNorm",
     "FusedRoPE",
     "FusedZeroCentredRMSNorm",
-    "fuse_cpu_ops",
-    "patch_mlx_lm_attention",
-    "patch_mlx_lm_ops",
-    "patch_mlx_lm_swiglu",
-    "rms_norm",
-    "rope",
-    "scaled_dot_product_attention",
-    "swiglu",
-    "BatchedDecodeResult",
-    "StreamResult",
-    "generate_batched",
-    "generate_greedy_batched",
-    "BLAS",
-    "CheckpointError",
-    "CompiledStep",
     "MTPRuntime",
     "RaggedKVCache",
+    "Request",
+    "SamplerConfig",
+    "StreamResult",
+    "fuse_cpu_ops",
     "gated_delta_capture",
-    "route_gated_delta",
+    "generate_batched",
+    "generate_greedy_batched",
     "init_random",
     "load",
-    "SamplerConfig",
-    "sample_tokens",
-    "verify_sampled",
-    "verify_sampled_chain",
     "restore_state",
+    "rms_norm",
+    "rope",
+    "route_gated_delta",
+    "sample_tokens",
+    "save",
+    "scaled_dot_product_attention",
     "snapshot_state",
+    "swiglu",
     "verify_greedy",
     "verify_greedy_chain",
+    "verify_sampled",
+    "verify_sampled_chain",
 ]
+
+#: Names that moved off the top level: still importable here, with a warning.
+_MOVED = {
+    "AttentionPatch": "mtplx_ext.models.mlx_lm_patches",
+    "MlxLmPatch": "mtplx_ext.models.mlx_lm_patches",
+    "patch_mlx_lm_attention": "mtplx_ext.models.mlx_lm_patches",
+    "patch_mlx_lm_ops": "mtplx_ext.models.mlx_lm_patches",
+    "patch_mlx_lm_swiglu": "mtplx_ext.models.mlx_lm_patches",
+}
+
+
+def __getattr__(name: str):
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module 'mtplx_ext' has no attribute {name!r}")
+    _warnings.warn(f"mtplx_ext.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(_patches, name)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 __all__ = ["BlasStatus", "load", "status", "gemm_calls", "small_gemm_calls", "set_small_gemm_rows", "describe"]
 
-_SHIM_NAME = "libmtplx_blas_shim.so"
+SHIM_NAME = "libmtplx_blas_shim.so"
 _MAX_DEFAULT_THREADS = 8
 
 
@@ -153,9 +153,9 @@ def load() -> BlasStatus:
         _status = _reference(reason)
         return _status
 
-    shim_path = _shim_path()
-    if shim_path is None:
-        _status = fail(f"{_SHIM_NAME} is not installed next to mtplx_ext")
+    shim_found = shim_path()
+    if shim_found is None:
+        _status = fail(f"{SHIM_NAME} is not installed next to mtplx_ext")
         return _status
     openblas = _find_openblas()
     if openblas is None:
@@ -163,9 +163,9 @@ def load() -> BlasStatus:
         return _status
 
     try:
-        shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
+        shim = ctypes.CDLL(str(shim_found), mode=ctypes.RTLD_GLOBAL)
     except OSError as e:
-        _status = fail(f"cannot load {shim_path.name}: {e}")
+        _status = fail(f"cannot load {shim_found.name}: {e}")
         return _status
     shim.mtplx_blas_bind.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
     shim.mtplx_blas_bind.restype = ctypes.c_int
@@ -195,15 +195,15 @@ def load() -> BlasStatus:
     return _status
 
 
-def _shim_path() -> Path | None:
+def shim_path() -> Path | None:
     """The installed shim: next to this file, or (an editable install) next to the built extension."""
-    here = Path(__file__).with_name(_SHIM_NAME)
+    here = Path(__file__).with_name(SHIM_NAME)
     if here.exists():
         return here
     # Locating the extension does not import it (nor mlx.core).
     spec = importlib.util.find_spec("mtplx_ext._ext")
     if spec is not None and spec.origin:
-        built = Path(spec.origin).with_name(_SHIM_NAME)
+        built = Path(spec.origin).with_name(SHIM_NAME)
         if built.exists():
             return built
     return None

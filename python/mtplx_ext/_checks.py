@@ -7,7 +7,13 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
+from mtplx_ext import _ext
+
 LOGIT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+#: Most drafts of one cycle (depth K): the kernels' chain buffers hold this
+#: many (kMaxChainDrafts in metal/mtplx_rules.h, exported by the extension).
+MAX_DRAFTS: int = _ext.MAX_CHAIN_DRAFTS
 
 
 class CheckpointError(ValueError):
@@ -59,6 +65,54 @@ def require_kind(
 def require_int_tokens(name: str, value: object, shape: tuple[int, ...]) -> mx.array:
     """Checks an integer token array of exactly `shape`."""
     return require_kind(name, value, shape, mx.integer, "an integer")
+
+
+def require_token_batch(name: str, value: object) -> mx.array:
+    """Checks a non-empty [B, T] integer token array."""
+    a = require_array(name, value)
+    if a.ndim != 2:
+        raise ValueError(f"{name} must have shape [B, T], got {tuple(a.shape)}")
+    if not mx.issubdtype(a.dtype, mx.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {a.dtype}")
+    if a.size == 0:
+        raise ValueError(f"{name} is empty: shape {tuple(a.shape)}")
+    return a
+
+
+def as_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
+    """Token-id lists, each non-empty and inside the vocabulary (TypeError / ValueError)."""
+    if isinstance(prompts, (str, bytes, mx.array)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, np.ndarray) and p.ndim == 1:
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
+            raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompts[{i}] is empty")
+        for j, t in enumerate(p):
+            if not is_int(t):
+                raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__}")
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}] = {t} is outside the vocabulary [0, {vocab_size})")
+        out.append([int(t) for t in p])
+    return out
+
+
+def as_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
+    """A set of stop token ids inside the vocabulary (TypeError / ValueError)."""
+    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
+        raise TypeError("stop_token_ids must be a collection of int token ids")
+    ids = list(stop_token_ids)
+    for t in ids:
+        if not is_int(t):
+            raise TypeError(f"stop_token_ids must hold int token ids, got {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
+    return frozenset(int(t) for t in ids)
 
 
 #: Seeds are 64-bit words (two uint32 key words on the device).
@@ -122,3 +176,8 @@ def as_seeds(name: str, values: object) -> list[int] | None:
 def _pow2(n: int) -> str:
     # 2**64 reads better than 18446744073709551616 in a one-line error.
     return f"2**{n.bit_length() - 1}" if n > 1024 and n & (n - 1) == 0 else str(n)
+
+
+def as_depth(depth: object) -> int:
+    """Drafts per cycle: an int in [1, MAX_DRAFTS] (TypeError / ValueError naming `depth`)."""
+    return as_int("depth", depth, lo=1, hi=MAX_DRAFTS + 1)

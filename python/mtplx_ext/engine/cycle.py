@@ -11,13 +11,13 @@ How a rejected draft is undone (the commit):
 
 * per-stream commit (attention-only trunks, `reject_mode="repair"`): each
   stream keeps its first n + 1 new KV slots and drops the other K - n by
-  moving its end slot on the device (`cache_state.rollback_streams`, no
+  moving its end slot on the device (`rollback.rollback_streams`, no
   copy); it commits x0, d_1..d_n and goes on from c_{n+1}. No extra
   forward, and the next cycle is built from device arrays alone.
   On hybrid trunks the verification forward runs through
   `gated_delta.capture`, which keeps every GatedDeltaNet layer's state after
   each position and its conv input; the commit selects each stream's state
-  at its own n (`cache_state.commit_streams`): no snapshot, no re-forward.
+  at its own n (`rollback.commit_streams`): no snapshot, no re-forward.
 * uniform repair (`reject_mode="reforward"`): the host
   finds r, the tokens after x0 that every stream going on can commit (r = K
   when they all accepted every draft); below K the whole batch restores its
@@ -40,8 +40,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mtplx_ext import cache_state, gated_delta
-from mtplx_ext.compiled_step import CompiledStep
+from mtplx_ext.cache import rollback
+from mtplx_ext.ops import gated_delta
+from mtplx_ext.cache.compiled_step import CompiledStep
 from mtplx_ext.engine import bundle as chain
 from mtplx_ext.engine.drafter import make_drafter, model_tokens
 
@@ -82,7 +83,7 @@ class Pending:
 
     bundle: mx.array
     hidden: mx.array | None = None
-    snapshot: cache_state.RecurrentSnapshot | None = None
+    snapshot: rollback.RecurrentSnapshot | None = None
     # The next cycle's (x0, d_1..d_K) and draft info, when the step already
     # built them (per-stream commit).
     next_tokens: mx.array | None = None
@@ -119,7 +120,7 @@ class Cycle:
         self.cache = cache
         self.head_cache = head_cache
         self.depth = depth
-        self.recurrent = cache_state.has_recurrent_state(cache)
+        self.recurrent = rollback.has_recurrent_state(cache)
         self.per_stream = per_stream
         self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth)
         # Compiled steps by kind (see `compile_steps`), or None (eager).
@@ -160,12 +161,12 @@ class Cycle:
             if s != starts[-1]:
                 yield
         x0 = self.policy.pick(logits[:, -1], 0)
-        cache_state.finish_prefill(self.cache)
+        rollback.finish_prefill(self.cache)
         if self.head_cache is None:
             return x0[:, None], None
         nxt = mx.concatenate([padded[:, starts[-1] + 1 :], model_tokens(x0)[:, None]], axis=1)
         start = self.drafter.pairs(hidden, nxt)
-        cache_state.finish_prefill(self.head_cache)
+        rollback.finish_prefill(self.head_cache)
         return self.drafter.draft(start, x0, 0)
 
     # -- verify --------------------------------------------------------------
@@ -173,10 +174,10 @@ class Cycle:
     def verify(self, tokens: mx.array, info: Any, step: Any) -> Pending:
         """Snapshot (recurrent trunks), [B, K + 1] verification forward, chain bundle."""
         if self.recurrent and self.per_stream:
-            with gated_delta.capture(cache_state.recurrent_caches(self.cache)) as cap:
+            with gated_delta.capture(rollback.recurrent_caches(self.cache)) as cap:
                 logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
             return Pending(self.policy.verify(logits, tokens, info, step), hidden, capture=cap)
-        snap = cache_state.snapshot_recurrent(self.cache) if self.recurrent else None
+        snap = rollback.snapshot_recurrent(self.cache) if self.recurrent else None
         logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
         return Pending(self.policy.verify(logits, tokens, info, step), hidden, snap)
 
@@ -196,9 +197,9 @@ class Cycle:
         # Head pairs (h_j, c_{j+1}) for j = 0..K; a stream keeps the first n + 1.
         start = self.drafter.pairs(p.hidden, c, n, dropped)
         if p.capture is not None:
-            cache_state.commit_streams(self.cache, n, self.depth, p.capture)
+            rollback.commit_streams(self.cache, n, self.depth, p.capture)
         else:
-            cache_state.rollback_streams(self.cache, dropped)
+            rollback.rollback_streams(self.cache, dropped)
         self.policy.commit(b, n)
         self.policy.set_next(x0)
         return self.drafter.draft(start, x0, step)
@@ -216,8 +217,8 @@ class Cycle:
     def repair(self, p: Pending, r: int, step: Any) -> tuple[mx.array, Any]:
         """Uniform repair: roll the batch back and re-forward [x0, c_1..c_r]."""
         if p.snapshot is not None:
-            cache_state.restore_recurrent(self.cache, p.snapshot)
-        cache_state.trim_kv(self.cache, self.depth + 1)
+            rollback.restore_recurrent(self.cache, p.snapshot)
+        rollback.trim_kv(self.cache, self.depth + 1)
         b = p.bundle
         c = chain.committed_tokens(b)
         seq = mx.concatenate([b[:, chain.COL_X0 : chain.COL_X0 + 1], c[:, :r]], axis=1)
@@ -253,7 +254,7 @@ class Cycle:
         # The snapshot's layout, from snapshot_recurrent itself (its arrays
         # stay lazy and are dropped unevaluated).
         uniform = self.recurrent and not self.per_stream
-        self._snapshot_slots = cache_state.snapshot_recurrent(self.cache).slots if uniform else []
+        self._snapshot_slots = rollback.snapshot_recurrent(self.cache).slots if uniform else []
         self._sig = self._signature()
         self.compiled = {k: self._compile(k, u) for k, u in units.items()}
         # All kinds share one state: any of them can reserve, save or load it.
@@ -316,10 +317,10 @@ class Cycle:
 
         return unit
 
-    def _snapshot(self, arrays: Sequence[mx.array]) -> cache_state.RecurrentSnapshot | None:
+    def _snapshot(self, arrays: Sequence[mx.array]) -> rollback.RecurrentSnapshot | None:
         if not self.recurrent:
             return None
-        return cache_state.RecurrentSnapshot(slots=list(self._snapshot_slots), arrays=list(arrays))
+        return rollback.RecurrentSnapshot(slots=list(self._snapshot_slots), arrays=list(arrays))
 
     def launch(self, kind: str, step: int, slots: int, *args: mx.array) -> Pending:
         """Compiled step `kind` of cycle `step` (see `compile_steps` for its inputs).

@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtplx_ext import cache_state
+from mtplx_ext.cache import rollback
 
 
 def model_tokens(tokens: mx.array) -> mx.array:
@@ -64,7 +64,7 @@ class Recursive:
         """
         chained, normed = self.rt.head_states(hidden, model_tokens(nxt), self.head_cache)
         if dropped is not None:
-            cache_state.rollback_streams(self.head_cache, dropped)
+            rollback.rollback_streams(self.head_cache, dropped)
         return _at(chained, at), _at(normed, at)
 
     def draft(self, start: Any, x0: mx.array, step: Any) -> tuple[mx.array, Any]:
@@ -85,7 +85,7 @@ class Recursive:
             infos.append(info)
         if self.depth > 1:
             # The chained steps' slots: the next cycle writes the true pairs there.
-            cache_state.trim_kv(self.head_cache, self.depth - 1)
+            rollback.trim_kv(self.head_cache, self.depth - 1)
         return _finish(x0, drafts, infos)
 
 
@@ -131,7 +131,7 @@ class ModuleChain:
                 normed0 = _at(normed, at)
         if dropped is not None:
             for kv in self.kv:
-                cache_state.rollback_streams(kv, dropped)
+                rollback.rollback_streams(kv, dropped)
         # After the loop: depth j + 1 read depth j's carry from before this commit.
         for c, out in zip(self.carries, outs):
             c[0] = out
@@ -152,7 +152,7 @@ class ModuleChain:
             drafts.append(d)
             infos.append(info)
         for j in range(1, self.depth):
-            cache_state.trim_kv(self.kv[j], j)
+            rollback.trim_kv(self.kv[j], j)
         return _finish(x0, drafts, infos)
 
 

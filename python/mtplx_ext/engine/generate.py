@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.generate import wired_limit
 
-from mtplx_ext import gated_delta
-from mtplx_ext._checks import as_int, as_seed, as_seeds, is_int
+from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
 from mtplx_ext.engine import cycle as cycle_mod
+from mtplx_ext.engine import session
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.loop import run_cycles
 from mtplx_ext.engine.policies import make_policy
@@ -21,47 +18,6 @@ from mtplx_ext.engine.results import BatchedDecodeResult
 from mtplx_ext.engine.streams import OnCommit, Streams
 
 REJECT_MODES = ("repair", "reforward")
-#: Drafts per cycle a decode may ask for.
-MAX_DEPTH = 8
-
-
-def check_prompts(prompts: object, vocab_size: int) -> list[list[int]]:
-    """Token-id lists, each non-empty and inside the vocabulary (TypeError / ValueError)."""
-    if isinstance(prompts, (str, bytes, mx.array)) or not isinstance(prompts, Sequence):
-        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-    if len(prompts) == 0:
-        raise ValueError("prompts is empty: give at least one prompt")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, np.ndarray) and p.ndim == 1:
-            p = p.tolist()
-        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence):
-            raise TypeError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty")
-        for j, t in enumerate(p):
-            if not is_int(t):
-                raise TypeError(f"prompts[{i}][{j}] must be an int token id, got {type(t).__name__}")
-            if not 0 <= t < vocab_size:
-                raise ValueError(f"prompts[{i}][{j}] = {t} is outside the vocabulary [0, {vocab_size})")
-        out.append([int(t) for t in p])
-    return out
-
-
-def check_stop_ids(stop_token_ids: object, vocab_size: int) -> frozenset[int]:
-    if isinstance(stop_token_ids, (str, bytes)) or not hasattr(stop_token_ids, "__iter__"):
-        raise TypeError("stop_token_ids must be a collection of int token ids")
-    ids = list(stop_token_ids)
-    for t in ids:
-        if not is_int(t):
-            raise TypeError(f"stop_token_ids must hold int token ids, got {t!r}")
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"stop_token_ids: {t} is outside the vocabulary [0, {vocab_size})")
-    return frozenset(int(t) for t in ids)
-
-
-def check_depth(depth: object) -> int:
-    return as_int("depth", depth, lo=1, hi=MAX_DEPTH + 1)
 
 
 def generate_batched(
@@ -125,12 +81,12 @@ def generate_batched(
         RuntimeError: naming a stream whose logits or tokens became invalid.
     """
     vocab = int(runtime.vocab_size)
-    prompts = check_prompts(prompts, vocab)
+    prompts = as_prompts(prompts, vocab)
     # Python ints from here on: a NumPy integer would break mx calls in compiled steps.
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
     seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
-    stop_ids = check_stop_ids(stop_token_ids, vocab)
-    depth = check_depth(depth)
+    stop_ids = as_stop_ids(stop_token_ids, vocab)
+    depth = as_depth(depth)
     if reject_mode not in REJECT_MODES:
         raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
     if on_commit is not None and not callable(on_commit):
@@ -142,47 +98,16 @@ def generate_batched(
 
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
-    recurrent = _has_recurrent_layers(runtime)
-    capturable = recurrent and _gated_delta_trunk(runtime)
+    recurrent = session.has_recurrent_layers(runtime)
+    capturable = recurrent and session.gated_delta_trunk(runtime)
     per_stream = mtp and reject_mode == "repair" and (not recurrent or capturable)
     route = capturable and (per_stream or getattr(runtime, "cpu_ops_fused", False))
-    with wired_limit(runtime), _fused_attention(runtime), _route_recurrent(route):
+    with session.decode_session(runtime, route):
         compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
             per_stream, compiled,
         )
-
-
-def _fused_attention(runtime: Any) -> Any:
-    # Process-wide while decoding, so only for runtimes that opted in.
-    if getattr(runtime, "cpu_ops_fused", False):
-        from mtplx_ext.fused import patch_mlx_lm_ops  # noqa: PLC0415
-
-        return patch_mlx_lm_ops()
-    return contextlib.nullcontext()
-
-
-def _route_recurrent(route: bool) -> Any:
-    # GatedDeltaNet layers through the capture op (process-wide while decoding).
-    return gated_delta.route_gated_delta() if route else contextlib.nullcontext()
-
-
-def _gated_delta_trunk(runtime: Any) -> bool:
-    """Whether every recurrent layer is a GatedDeltaNet the capture routes."""
-    trunk = getattr(runtime, "trunk", None)
-    layers = getattr(getattr(trunk, "model", None), "layers", None)
-    if layers is None:
-        return False
-    rec = [l for l in layers if getattr(l, "is_linear", False)]
-    return bool(rec) and all(
-        hasattr(getattr(l, "linear_attn", None), "conv1d") and hasattr(l.linear_attn, "A_log") for l in rec
-    )
-
-
-def _has_recurrent_layers(runtime: Any) -> bool:
-    flag = getattr(runtime, "has_recurrent_layers", None)
-    return True if flag is None else bool(flag)
 
 
 def _generate(

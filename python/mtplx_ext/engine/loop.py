@@ -7,7 +7,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext import cache_state
+from mtplx_ext.cache import rollback
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.streams import Streams
 
@@ -77,14 +77,14 @@ def run_cycles(cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool)
                 cyc.reserve(slots)
                 saved, ckpt = cyc.save_compiled(), None
             else:
-                saved, ckpt = None, cache_state.checkpoint_caches(*cyc.caches(), [cyc.policy])
+                saved, ckpt = None, rollback.checkpoint_caches(*cyc.caches(), [cyc.policy])
             spec = cyc.next_step(p, mtp, guess, res.cycles + 1, slots)
             commits, r = _decide(st, read_bundle(p, st), mtp)
             if r != guess or not st.any_live():
                 if ckpt is None:
                     cyc.load_compiled(saved)
                 else:
-                    cache_state.rollback_caches(ckpt)
+                    rollback.rollback_caches(ckpt)
             if not st.any_live():
                 st.apply(commits)
                 return

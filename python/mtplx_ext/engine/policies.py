@@ -22,9 +22,9 @@ import numpy as np
 
 from mtplx_ext._checks import as_seed, as_seeds
 from mtplx_ext.engine import bundle as chain
-from mtplx_ext.sampled import sample_tokens, sampler_params, verify_sampled_chain
+from mtplx_ext.ops.sampled_verify import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig
-from mtplx_ext.verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
+from mtplx_ext.ops.greedy_verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
 
 
 class TokenPolicy(Protocol):
@@ -78,11 +78,31 @@ class GreedyPolicy:
     def set_next(self, x0: mx.array) -> None:
         pass
 
+    def load_rows(self, seeds: Sequence[int], samplers: Sequence[Any], step_base: Sequence[int],
+                  x0: mx.array, counts: mx.array | None) -> None:
+        """Greedy rows carry no per-stream device state: nothing to load."""
+
+    def unload_rows(self) -> None:
+        """Greedy rows carry no per-stream device state."""
+        return None
+
 
 #: Uniform streams of a sampled decode: one key per (row, step, call, position).
 _CALL_PICK, _CALL_DRAFT, _CALL_ACCEPT, _CALL_RESAMPLE = range(4)
 #: Odd constant that separates the key words of draft positions 2..K.
 _POSITION_WORD = 0x9E3779B9
+
+
+def row_keys(seeds: Sequence[int]) -> mx.array:
+    """[B, 2] uint32 keys of rows with these seeds (the same in any batch).
+
+    Through threefry: mx.random.key(s) is just the seed's two words, so for
+    nearby seeds the (step, call) counter xor-ed into the low word would hand
+    one row's uniforms to another row.
+    """
+    words = np.array(list(seeds), dtype=np.uint64)
+    raw = mx.array(np.stack([(words >> 32).astype(np.uint32), (words & 0xFFFFFFFF).astype(np.uint32)], axis=1))
+    return mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
 
 
 class SampledPolicy:
@@ -159,18 +179,57 @@ class SampledPolicy:
             seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
         elif len(seeds) != B:
             raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
-        words = np.array(seeds, dtype=np.uint64)
-        raw = mx.array(np.stack([(words >> 32).astype(np.uint32), (words & 0xFFFFFFFF).astype(np.uint32)], axis=1))
-        # Row keys through threefry: mx.random.key(s) is just the seed's two
-        # words, so for nearby seeds the (step, call) counter xor-ed into the
-        # low word would hand one row's uniforms to another row.
-        self._keys = mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
+        self._keys = row_keys(seeds)
         self._params = sampler_params(self.configs, B)
         cs = self._configs if self._configs is not None else [self._shared]
         self._penalties = any(c.has_penalties for c in cs)
         self._ready = True
 
-    def _uniforms(self, step: Any, calls: Sequence[int], position: int = 1) -> mx.array:
+    @classmethod
+    def slots(cls, B: int, vocab: int, penalties: bool) -> "SampledPolicy":
+        """A policy for B rows whose streams are loaded later (`load_rows`), as a scheduler uses it.
+
+        Its arrays have their final shapes from the start, so a step compiled
+        with it stays valid when other streams' rows are loaded.
+        """
+        policy = cls([SamplerConfig()] * B, row_seeds=[0] * B)
+        policy._setup(B, vocab)
+        policy._penalties = bool(penalties)
+        return policy
+
+    def load_rows(
+        self,
+        seeds: Sequence[int],
+        samplers: Sequence[SamplerConfig],
+        step_base: Sequence[int],
+        x0: mx.array,
+        counts: mx.array | None,
+    ) -> None:
+        """Makes row b draw as stream b decoded alone: its seed's key, its sampler, its own step count.
+
+        Args:
+            seeds: each row's seed (the key `row_keys` derives, as `_setup` does).
+            samplers: each row's `SamplerConfig`.
+            step_base: the cycle each row's own step count starts from.
+            x0: [B] each row's next x0 (not counted yet).
+            counts: [B, V] int32 penalty counts, or None without penalties.
+        """
+        B = len(seeds)
+        if len(samplers) != B or len(step_base) != B:
+            raise ValueError(f"load_rows: {B} seeds, {len(samplers)} samplers, {len(step_base)} step bases")
+        self._keys = row_keys(seeds)
+        self._params = sampler_params(list(samplers), B)
+        self.step_base = mx.array([s % 2**32 for s in step_base], dtype=mx.uint32)
+        self.x0 = x0
+        self.counts = counts if self._penalties else None
+
+    def unload_rows(self) -> mx.array | None:
+        """The rows' penalty counts (or None); drops this policy's references to its rows."""
+        counts = self.counts
+        self.counts = self.x0 = None
+        return counts
+
+    def uniforms(self, step: Any, calls: Sequence[int], position: int = 1) -> mx.array:
         """[B, len(calls)] float32: row b's uniform of (step, call, draft position).
 
         `step` may be a device scalar (an input of a compiled decode step):
@@ -204,7 +263,7 @@ class SampledPolicy:
             if self.x0 is not None and not self.x0_is_bonus:
                 # Plain decoding: the previous pick is now committed.
                 self.counts = self._add(self.counts, self.x0)
-        u = self._uniforms(step, [_CALL_PICK])[:, 0]
+        u = self.uniforms(step, [_CALL_PICK])[:, 0]
         tok = sample_tokens(logits, u, self._params, token_counts=self.counts)
         self.x0, self.x0_is_bonus = tok, False
         return tok
@@ -214,7 +273,7 @@ class SampledPolicy:
     ) -> tuple[mx.array, mx.array]:
         B, V = head_logits.shape
         self._setup(B, V)
-        u = self._uniforms(step, [_CALL_DRAFT], position)[:, 0]
+        u = self.uniforms(step, [_CALL_DRAFT], position)[:, 0]
         extra = mx.stack(list(prefix), axis=1) if self._penalties and len(prefix) else None
         d = sample_tokens(head_logits, u, self._params, token_counts=self.counts, extra_tokens=extra)
         return d, head_logits
@@ -223,9 +282,9 @@ class SampledPolicy:
         B, T, V = verify_logits.shape
         K = T - 1
         self._setup(B, V)
-        accepts = [self._uniforms(step, [_CALL_ACCEPT], i) for i in range(1, K + 1)]
+        accepts = [self.uniforms(step, [_CALL_ACCEPT], i) for i in range(1, K + 1)]
         u = mx.concatenate(
-            accepts + [self._uniforms(step, [_CALL_RESAMPLE]), self._uniforms(step + 1, [_CALL_PICK])], axis=1
+            accepts + [self.uniforms(step, [_CALL_RESAMPLE]), self.uniforms(step + 1, [_CALL_PICK])], axis=1
         )
         return verify_sampled_chain(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
 

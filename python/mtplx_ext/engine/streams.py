@@ -8,6 +8,7 @@ import numpy as np
 
 from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, COL_X0
 from mtplx_ext.engine.results import BatchedDecodeResult, StreamResult
+from mtplx_ext.engine.stats import DraftStats
 
 OnCommit = Callable[[int, list[int]], None]
 
@@ -46,9 +47,9 @@ class Streams:
         self.vocab_size = vocab_size
         self.depth = depth
         self.per_stream = per_stream
-        self.result = BatchedDecodeResult(
-            streams=[StreamResult() for _ in range(n)], depth=depth, reached=[0] * depth, accepted_at=[0] * depth
-        )
+        self.result = BatchedDecodeResult(streams=[StreamResult() for _ in range(n)], depth=depth)
+        #: Per-stream statistics to record into as well (one `DraftStats` per stream), or None.
+        self.row_stats: list[DraftStats] | None = None
         per_cap = not isinstance(max_new_tokens, int)
         self.caps = np.array(max_new_tokens if per_cap else [max_new_tokens] * n, dtype=np.int64)
         self.max_new = int(self.caps.max()) if n else 0
@@ -57,6 +58,22 @@ class Streams:
         self.done = np.zeros(n, dtype=bool)
         self.count = np.zeros(n, dtype=np.int64)
         self.width = width
+        #: Streams whose next bundle starts with an x0 they already committed
+        #: (see `resume`): their next decide leaves it out, once.
+        self.x0_committed = np.zeros(n, dtype=bool)
+
+    def resume(self, committed: Sequence[int], x0_committed: Sequence[bool]) -> None:
+        """Streams that already committed tokens before this batch (continuous batching).
+
+        Args:
+            committed: tokens each stream committed so far.
+            x0_committed: whether that includes the x0 its next bundle
+                starts with: a prefill commits its token at once (time to
+                first token is the prefill), and with MTP the stream's first
+                verification bundle repeats it as x0.
+        """
+        self.x0_committed[:] = np.asarray(x0_committed, dtype=bool)
+        self.count[:] = np.asarray(committed, dtype=np.int64) - self.x0_committed
 
     def _fail(self, i: int, why: str) -> None:
         raise RuntimeError(f"stream {i}: invalid decode row ({why}) after {self.count[i]} committed tokens")
@@ -64,9 +81,12 @@ class Streams:
     def _walk(self, i: int, toks: list[int], n: int | None) -> tuple[list[int], str | None]:
         """The prefix of `toks` stream i commits, stopping at a stop token or its cap.
 
-        Also counts the drafts whose verdict was used (n: accepted drafts).
+        Also records the drafts whose verdict was used (n: accepted drafts)
+        in the decode's statistics and, when given, the stream's own.
         """
         new: list[int] = []
+        checked = accepted = 0
+        reason = None
         for j, t in enumerate(toks):
             if j > 0 and n is not None and n < 0:
                 self._fail(i, "non-finite verification logits")
@@ -74,19 +94,19 @@ class Streams:
                 self._fail(i, f"token {t} outside the vocabulary (non-finite logits)")
             new.append(t)
             if t in self.stops[i]:
-                return new, "stop"
+                reason = "stop"
+                break
             if self.count[i] + len(new) >= self.caps[i]:
-                return new, "length"
+                reason = "length"
+                break
             if n is not None and j < self.depth and j <= n:
                 # The stream goes on after token j: draft j + 1 was checked.
-                if j == 0:
-                    self.result.stream_cycles += 1
-                self.result.reached[j] += 1
-                self.result.drafted += 1
-                if j < n:
-                    self.result.accepted_at[j] += 1
-                    self.result.accepted += 1
-        return new, None
+                checked += 1
+                accepted += j < n
+        self.result.record(checked, accepted)
+        if self.row_stats is not None:
+            self.row_stats[i].record(checked, accepted)
+        return new, reason
 
     def decide_plain(self, b: np.ndarray) -> Commits:
         """[B, 1] next tokens of a plain step."""
@@ -130,7 +150,11 @@ class Streams:
         """Per-stream commit: what stream i commits from a chain bundle (RuntimeError if invalid)."""
         n = int(b[i, COL_N])
         toks = [int(b[i, COL_X0])] + [int(t) for t in b[i, COL_TOKENS : COL_TOKENS + max(n, 0)]]
-        return self._take(i, *self._walk(i, toks if n >= 0 else toks + [-1], n))
+        i, new, reason = self._take(i, *self._walk(i, toks if n >= 0 else toks + [-1], n))
+        if self.x0_committed[i]:
+            self.x0_committed[i] = False
+            new = new[1:]
+        return i, new, reason
 
     def _take(self, i: int, new: list[int], reason: str | None) -> tuple[int, list[int], str | None]:
         self.count[i] += len(new)

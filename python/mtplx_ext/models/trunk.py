@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.utils import MODEL_REMAPPING
 
-from mtplx_ext.ragged_cache import RaggedKVCache, RaggedPositions
+from mtplx_ext.cache.ragged import RaggedKVCache, RaggedPositions
 
 # Families whose attention applies the mask with mx.where and so needs an
 # array mask, never the "causal" string.

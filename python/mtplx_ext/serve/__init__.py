@@ -1,89 +1,10 @@
-"""OpenAI-compatible serving: `mtplx-ext serve`, the API routes, the chat tokenizer."""
+"""OpenAI-compatible serving: the HTTP app (`app`) and the server around it (`server`).
 
-from __future__ import annotations
-
-import contextlib
-import signal
-import threading
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+The HTTP handlers only parse, queue work for the engine's thread and stream
+its events back; every MLX call runs on the engine's thread.
+"""
 
 from mtplx_ext.serve.app import API, create_app, error_response
+from mtplx_ext.serve.server import load_chat_tokenizer, serve
 
-
-def load_chat_tokenizer(folder: str | Path) -> Any:
-    """mlx-lm's tokenizer wrapper of a model folder, when its tokenizer config has a chat template (else None)."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: PLC0415
-
-    tok = load_tokenizer(Path(folder))
-    return tok if getattr(tok, "chat_template", None) else None
-
-
-def eos_ids(runtime: Any) -> tuple[int, ...]:
-    """The end-of-text token ids of the runtime's tokenizer (those it knows by name)."""
-    tok = getattr(runtime, "tokenizer", None)
-    if tok is None:
-        return ()
-    ids = [tok.token_to_id(n) for n in ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>")]
-    return tuple(sorted({i for i in ids if i is not None}))
-
-
-def _server_class() -> type:
-    import uvicorn  # noqa: PLC0415
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, for which SIGINT / SIGTERM are the normal end (exit status 0).
-
-        uvicorn raises the caught signal again after its graceful shutdown;
-        here the shutdown is the whole point of the signal, so it is not.
-        """
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in old.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
-def serve(
-    runtime: Any,
-    folder: str | Path,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8080,
-    max_batch: int = 8,
-    depth: int = 1,
-    use_mtp: bool = True,
-    api_key: str | None = None,
-    model_name: str | None = None,
-    max_kv_slots: int | None = None,
-    prefill_chunk: int = 256,
-    log_level: str = "warning",
-) -> None:
-    """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call."""
-    import uvicorn  # noqa: PLC0415
-
-    from mtplx_ext.engine.scheduler import Engine  # noqa: PLC0415
-
-    engine = Engine(runtime, max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                    prefill_chunk=prefill_chunk)
-    api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
-              eos_ids(runtime))
-    engine.start()
-    try:
-        server = _server_class()(uvicorn.Config(create_app(api), host=host, port=port, log_level=log_level))
-        server.run()
-    finally:
-        engine.stop()
-
-
-__all__ = ["API", "create_app", "error_response", "eos_ids", "load_chat_tokenizer", "serve"]
+__all__ = ["API", "create_app", "error_response", "load_chat_tokenizer", "serve"]

@@ -20,7 +20,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mtplx_ext.engine.scheduler import Engine, Event, Request
+from mtplx_ext.batching import Engine, Event, Request
 from mtplx_ext.sampling import SamplerConfig
 
 #: OpenAI's defaults: completions generate 16 tokens unless told.

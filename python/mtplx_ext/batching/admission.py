@@ -1,0 +1,57 @@
+"""Admission rules of the continuous-batching engine: what a request needs, what fits.
+
+A request needs KV slots for its prompt, its generated tokens and what a
+cycle may write past them (K + 1 verified slots, the cycle launched ahead's
+K + 1 more, the head's K - 1 chained drafts). Capacities are rounded up to
+`KV_BLOCK` slots so that few distinct batch shapes (each traced once) occur.
+A running batch holds rows x its largest row's capacity slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: KV capacities are rounded up to this many slots (fewer distinct traces).
+KV_BLOCK = 128
+
+
+def capacity(need: int) -> int:
+    """KV slots a row needing `need` slots is given (a multiple of `KV_BLOCK`)."""
+    return KV_BLOCK * -(-need // KV_BLOCK)
+
+
+def request_need(prompt_len: int, max_tokens: int, depth: int, mtp: bool) -> int:
+    """KV slots a request may use: prompt, generated tokens, and a cycle's writes past them."""
+    k = depth + 1 if mtp else 1
+    return prompt_len + max_tokens + 2 * k + depth
+
+
+def fits(needs: Sequence[int], max_batch: int, max_kv_slots: int) -> bool:
+    """Whether rows with these needs fit one batch: at most max_batch rows and max_kv_slots slots."""
+    if len(needs) > max_batch:
+        return False
+    return len(needs) * capacity(max(needs)) <= max_kv_slots
+
+
+def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
+    """Refuses a request whose prompt plus max_tokens exceeds the model's context (ValueError)."""
+    total = prompt_len + max_tokens
+    if total > context:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} exceeds the context of "
+            f"{context} tokens"
+        )
+
+
+def check_stops(stop: Sequence[str] | str, has_tokenizer: bool) -> tuple[str, ...]:
+    """Stop strings as a tuple: each a non-empty str, and a tokenizer to find them (ValueError)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    for s in stops:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+    if stops and not has_tokenizer:
+        raise ValueError("stop strings need a tokenizer (this engine has none)")
+    return stops
+
+
+__all__ = ["KV_BLOCK", "capacity", "check_context", "check_stops", "fits", "request_need"]

@@ -1,0 +1,140 @@
+"""One running batch shape of the engine: caches, policy and compiled cycle, loaded with rows.
+
+A `Batch` of a given (rows, capacity, policy kind) is built and traced once
+and replayed whenever the running batch has that shape again: streams' rows
+(`Rows`) are loaded into its caches and policy, not rebuilt. `merge_rows`
+builds the rows of a recomposed batch from the rows that go on and the newly
+prefilled ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mtplx_ext.batching.requests import Request
+from mtplx_ext.cache.rows import RowState
+from mtplx_ext.engine.cycle import Cycle
+from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
+
+
+@dataclass
+class Rows:
+    """Streams' device state between batches.
+
+    Attributes:
+        cache: their cache rows (trunk and head caches, in `Cycle.caches` order).
+        next: [B, K + 1] (x0, drafts) of their next cycle, or [B, 1] plain.
+        info: [B, K, V] draft logits of the next cycle (sampled MTP), or None.
+        counts: [B, V] int32 penalty counts, or None.
+    """
+
+    cache: RowState
+    next: mx.array
+    info: mx.array | None = None
+    counts: mx.array | None = None
+
+    @classmethod
+    def prefilled(cls, cyc: Cycle, tokens: mx.array, info: mx.array | None) -> "Rows":
+        """The rows a finished prefill left in its cycle's caches (evaluated)."""
+        rows = cls(RowState.take(cyc.caches()), tokens, info, getattr(cyc.policy, "counts", None))
+        mx.eval(rows.arrays())
+        return rows
+
+    def arrays(self) -> list[mx.array]:
+        """Every array of the rows (to evaluate them)."""
+        extra = [a for a in (self.info, self.counts) if a is not None]
+        return [*self.cache.arrays(), self.next, *extra]
+
+
+def one_hot_info(nxt: mx.array, vocab: int) -> mx.array:
+    """Draft logits for greedy-drafted rows joining a sampled batch: their argmax is the draft.
+
+    A greedy row's verification only uses where q's mass is, so the draft it
+    made by argmax keeps its exact verdict.
+    """
+    d = nxt[:, 1:]
+    hot = mx.arange(vocab)[None, None, :] == d[:, :, None]
+    return mx.where(hot, 0.0, -30.0).astype(mx.float32)
+
+
+def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kind: str, mtp: bool, vocab: int) -> Rows:
+    """The rows of a recomposed batch: (rows, indices or None for all) in order.
+
+    Rows without draft logits get one-hot ones when the batch samples, rows
+    without penalty counts get zero counts when it has penalties.
+    """
+
+    def cat(get: Callable[[Rows], mx.array]) -> mx.array:
+        return mx.concatenate([get(d) if idx is None else get(d)[idx] for d, idx in parts], axis=0)
+
+    cache = RowState.gather([(d.cache, idx) for d, idx in parts], capacity)
+    info = None
+    if mtp and kind != "greedy":
+        info = cat(lambda d: d.info if d.info is not None else one_hot_info(d.next, vocab))
+    counts = None
+    if kind == "penalties":
+        counts = cat(
+            lambda d: d.counts if d.counts is not None else mx.zeros((d.next.shape[0], vocab), mx.int32)
+        )
+    return Rows(cache=cache, next=cat(lambda d: d.next), info=info, counts=counts)
+
+
+def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> Cycle:
+    """A one-row cycle (caches of `cap` slots, the request's own policy) to prefill `r` in."""
+    cache = runtime.make_cache([0], ragged=True, capacity=cap)
+    head = runtime.make_head_cache([0], ragged=True, capacity=cap, depth=depth) if mtp else None
+    s = r.sampler
+    policy: Any = GreedyPolicy() if s.greedy and not s.has_penalties else SampledPolicy(s, row_seeds=[r.seed])
+    return Cycle(runtime, policy, cache, head, depth, per_stream=mtp)
+
+
+class Batch:
+    """Caches, policy and compiled cycle of one (rows, capacity, kind): loaded, run, unloaded.
+
+    Args:
+        runtime: the `MTPRuntime`.
+        B: rows.
+        cap: KV slots per row.
+        kind: "greedy", "sampled" or "penalties" (`batch_kind`).
+        depth: drafts per cycle.
+        mtp: MTP decoding (False: plain).
+    """
+
+    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool):
+        self.B, self.cap, self.kind = B, cap, kind
+        pads = [0] * B
+        self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
+        self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=depth) if mtp else None
+        if kind == "greedy":
+            self.policy: Any = GreedyPolicy()
+        else:
+            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties")
+        self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp)
+        self.compiled = False
+
+    def caches(self) -> list[list]:
+        return self.cycle.caches()
+
+    def load(self, rows: Rows, reqs: Sequence[Request]) -> None:
+        """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
+        rows.cache.load_into(self.caches(), self.B, self.cap)
+        self.policy.load_rows(
+            [r.seed for r in reqs], [r.sampler for r in reqs], [r.step_off for r in reqs], rows.next[:, 0], rows.counts
+        )
+        if not self.compiled:
+            self.cycle.compile_steps()
+            self.compiled = True
+
+    def unload(self, nxt: mx.array | None, info: mx.array | None) -> Rows:
+        """The device rows (with the next cycle's tokens and draft logits); drops this batch's references."""
+        cache = RowState.take(self.caches())
+        counts = self.policy.unload_rows()
+        RowState.release(self.caches())
+        return Rows(cache=cache, next=nxt, info=info, counts=counts)
+
+
+__all__ = ["Batch", "Rows", "merge_rows", "one_hot_info", "prefill_cycle"]

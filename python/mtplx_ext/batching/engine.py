@@ -1,0 +1,491 @@
+"""`Engine`: the continuous-batching loop (admit, prefill a chunk, recompose, one cycle).
+
+See the package docstring (`mtplx_ext.batching`) for what each engine step
+does and the memory rules; this module is the loop and its bookkeeping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mtplx_ext._checks import as_depth, as_int, as_prompts, as_seed, as_stop_ids
+from mtplx_ext.batching import admission
+from mtplx_ext.batching.batch import Batch, Rows, merge_rows, prefill_cycle
+from mtplx_ext.batching.requests import Event, Request, batch_kind
+from mtplx_ext.batching.runner import EngineThread
+from mtplx_ext.engine import session
+from mtplx_ext.engine.cycle import Cycle
+from mtplx_ext.engine.results import BatchedDecodeResult
+from mtplx_ext.engine.streams import Streams
+from mtplx_ext.sampling import SamplerConfig
+
+
+class Engine:
+    """A continuous-batching MTP decoding engine over one running batch.
+
+    Args:
+        runtime: an `MTPRuntime`: an attention-only trunk, or a GatedDeltaNet
+            hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
+            from the recurrent states captured at each verified position.
+        max_batch: most streams decoding at once.
+        depth: drafts per cycle (K).
+        use_mtp: False decodes plainly (one token per forward), the baseline.
+        max_kv_slots: most KV slots held by the running batch (rows times
+            its per-row capacity); default max_batch times the context.
+        prefill_chunk: prompt tokens prefilled per engine step while other
+            streams decode.
+        tokenizer: with `decode(ids)`, for text and stop strings (default:
+            the runtime's).
+        context: most prompt + generated tokens of one request (default:
+            the model's `max_position_embeddings`).
+
+    Raises:
+        ValueError / TypeError: naming a bad argument; a trunk with
+            recurrent layers other than GatedDeltaNet ones is refused (their
+            state cannot be captured per position).
+    """
+
+    def __init__(
+        self,
+        runtime: Any,
+        *,
+        max_batch: int = 8,
+        depth: int = 1,
+        use_mtp: bool = True,
+        max_kv_slots: int | None = None,
+        prefill_chunk: int = 256,
+        tokenizer: Any = None,
+        context: int | None = None,
+    ):
+        self.rt = runtime
+        self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
+        self.depth = as_depth(depth)
+        self.mtp = bool(use_mtp)
+        if self.mtp and not runtime.has_mtp:
+            raise ValueError("use_mtp=True needs a runtime with MTP head weights (this one has none)")
+        recurrent = session.has_recurrent_layers(runtime)
+        if recurrent and not session.gated_delta_trunk(runtime):
+            raise ValueError(f"Engine: {session.NOT_CAPTURABLE.format(getattr(runtime, 'model_type', '?'))}")
+        # As fixed-batch decoding decides: the capture for per-stream commit,
+        # else only for runtimes that opted into fused CPU ops.
+        self._route = recurrent and (self.mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
+        cfg = getattr(runtime, "config", {}) or {}
+        default_ctx = int(cfg.get("max_position_embeddings", 4096))
+        self.context = as_int("context", context if context is not None else default_ctx, lo=2)
+        self.max_kv_slots = as_int(
+            "max_kv_slots", max_kv_slots if max_kv_slots is not None else self.max_batch * admission.capacity(self.context), lo=1
+        )
+        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
+        self.vocab = int(runtime.vocab_size)
+        self._ids = itertools.count()
+        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._rng = np.random.default_rng()
+        # Engine-thread state.
+        self._waiting: deque[Request] = deque()
+        self._ready: list[Request] = []  # prefilled, not merged yet
+        self._live: list[Request] = []  # rows of the running batch, in order
+        self._batch: Batch | None = None
+        self._batches: dict[tuple[int, int, str], Batch] = {}
+        self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
+        self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
+        self._info: mx.array | None = None
+        self._streams: Streams | None = None
+        self.cycle_count = 0
+        self.stats = BatchedDecodeResult(depth=self.depth if self.mtp else 0)
+        self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
+                         "generated_tokens": 0, "recompositions": 0, "row_forwards": 0}
+        self._thread: EngineThread | None = None
+        self._wired: Any = None
+
+    # -- submitting (any thread) ---------------------------------------------
+
+    def submit(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_tokens: int = 64,
+        sampler: SamplerConfig | None = None,
+        stop_token_ids: Sequence[int] = (),
+        stop: Sequence[str] | str = (),
+        seed: int | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ) -> Request:
+        """Queues a request; it is admitted at a later engine step.
+
+        Args:
+            prompt: token ids.
+            max_tokens: cap on generated tokens.
+            sampler: a `SamplerConfig` (None: greedy).
+            stop_token_ids: tokens that end the request (kept).
+            stop: strings that end the request (cut from its text; needs a tokenizer).
+            seed: the sampled path's seed (None: a random one).
+            on_event: called with each `Event` on the engine's thread (keep it short).
+
+        Raises:
+            TypeError / ValueError: naming the bad argument; a request that
+                could never fit (context or `max_kv_slots`).
+        """
+        if isinstance(prompt, (str, bytes)):
+            raise TypeError("prompt must be a list of token ids, got a string (tokenize it first)")
+        prompt = as_prompts([prompt], self.vocab)[0]
+        max_tokens = as_int("max_tokens", max_tokens, lo=1)
+        if sampler is None:
+            sampler = SamplerConfig(temperature=0.0)
+        if not isinstance(sampler, SamplerConfig):
+            raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
+        stop_ids = as_stop_ids(stop_token_ids, self.vocab)
+        stops = admission.check_stops(stop, self.tokenizer is not None)
+        seed = as_seed("seed", seed)
+        if seed is None:
+            seed = int(self._rng.integers(0, 2**63))
+        if on_event is not None and not callable(on_event):
+            raise TypeError("on_event must be callable or None")
+        admission.check_context(len(prompt), max_tokens, self.context)
+        req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
+                      depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer)
+        req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
+        if admission.capacity(req.need) > self.max_kv_slots:
+            raise ValueError(
+                f"the request needs {admission.capacity(req.need)} KV slots, more than max_kv_slots={self.max_kv_slots}"
+            )
+        self._inbox.put(req)
+        return req
+
+    # -- the engine thread -------------------------------------------------------
+
+    def start(self) -> None:
+        """Runs the engine on its own thread (every MLX call of the engine happens there)."""
+        if self._thread is not None:
+            raise RuntimeError("the engine is already running")
+        self._thread = EngineThread(self, self._inbox)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stops the engine thread; requests still open end with an error event."""
+        if self._thread is None:
+            return
+        self._thread.stop(timeout)
+        self._thread = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """The context `step` runs in; `start` enters it itself.
+
+        Fused attention, wired memory and, on hybrid trunks, mlx-lm's
+        GatedDeltaNet routed through the capture op: all process-wide, and
+        all undone when the block ends (`stop` ends the engine thread's).
+        """
+        with session.decode_session(self.rt, self._route):
+            yield
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Steps on the calling thread until no request is open (tests, offline use)."""
+        with self.session():
+            for _ in range(max_steps):
+                if not self.step():
+                    return
+        raise RuntimeError(f"the engine did not become idle in {max_steps} steps")
+
+    @property
+    def live_streams(self) -> int:
+        return len(self._live)
+
+    @property
+    def kv_slots(self) -> int:
+        """KV slots the running batch holds (rows times capacity)."""
+        return 0 if self._batch is None else self._batch.B * self._batch.cap
+
+    def step(self) -> bool:
+        """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
+        for item in self.take_inbox():
+            self.admit(item)
+        self._drop_cancelled()
+        self._prefill()
+        if self._live or self._ready:
+            self._recompose()
+        if self._live:
+            self._cycle()
+        return bool(self._live or self._ready or self._waiting)
+
+    # -- admission ---------------------------------------------------------------
+
+    def take_inbox(self) -> list[Request]:
+        """The requests submitted since the last look (without the stop marker)."""
+        items = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return items
+            if item is not None:
+                items.append(item)
+
+    def admit(self, r: Request) -> None:
+        """Queues a submitted request for prefill (engine thread)."""
+        self._waiting.append(r)
+        self.counters["submitted"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for q in (self._waiting,):
+            for r in [r for r in q if r.cancelled]:
+                q.remove(r)
+                self._finish(r, "cancelled")
+        for r in [r for r in self._ready if r.cancelled]:
+            self._ready.remove(r)
+            self._finish(r, "cancelled")
+        for r in self._live:
+            if r.cancelled and r.finish_reason is None:
+                self._finish(r, "cancelled")
+
+    def _fits(self, reqs: Sequence[Request]) -> bool:
+        return admission.fits([r.need for r in reqs], self.max_batch, self.max_kv_slots)
+
+    def _prefill(self) -> None:
+        """Prefills waiting requests in order: one chunk while streams decode, else all that fit."""
+        budget = self.prefill_chunk if self._live else None
+        held = [r for r in self._live if r.finish_reason is None] + self._ready
+        while self._waiting:
+            r = self._waiting[0]
+            if r.prefill is None:
+                if not self._fits(held + [r]):
+                    return  # waits (in order: nothing overtakes it)
+                self._start_prefill(r)
+            try:
+                gen, cyc = r.prefill
+                try:
+                    next(gen)
+                    self.counters["prefill_tokens"] += self.prefill_chunk
+                except StopIteration as done:
+                    self._waiting.popleft()
+                    self._finish_prefill(r, cyc, *done.value)
+                    held.append(r)
+            except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
+                if self._waiting and self._waiting[0] is r:
+                    self._waiting.popleft()
+                self._fail(r, e)
+            if budget is not None:
+                budget -= self.prefill_chunk
+                if budget <= 0:
+                    return
+
+    def _start_prefill(self, r: Request) -> None:
+        cyc = prefill_cycle(self.rt, r, admission.capacity(r.need), self.depth, self.mtp)
+        r.prefill = (cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk), cyc)
+
+    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
+        r.prefill = None
+        r.row = Rows.prefilled(cyc, tokens, info)
+        self.counters["prefill_tokens"] += len(r.prompt) % self.prefill_chunk or self.prefill_chunk
+        # The stream's own step count: its first verification (or plain pick) is
+        # step 1 (2) of a decode alone.
+        r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
+        # The prefill's token goes out now (time to first token = the prefill),
+        # with MTP too: its first cycle's bundle then starts with it again.
+        x0 = int(np.array(tokens)[0, 0])
+        r.cycles = 0
+        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
+                          valid=0 <= x0 < self.vocab)
+        if r.finish_reason is not None:
+            return
+        r.x0_committed = self.mtp
+        self._ready.append(r)
+
+    # -- the running batch -------------------------------------------------------
+
+    def _recompose(self) -> None:
+        """Drops finished rows and merges prefilled ones into one compact batch."""
+        keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
+        new = [r for r in self._ready if r.finish_reason is None]
+        if len(keep) == len(self._live) and not new:
+            return
+        if self._inflight is not None:
+            # The cycle launched ahead ran on the old rows: commit it first.
+            p, self._inflight = self._inflight, None
+            self._read(p)
+            keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
+            new = [r for r in self._ready if r.finish_reason is None]
+        self._ready = []
+        reqs = [self._live[i] for i in keep] + new
+        old = self._batch.unload(self._next, self._info) if self._batch is not None else None
+        self._batch = None
+        self._live = reqs
+        self.counters["recompositions"] += 1
+        if not reqs:
+            self._next = self._info = None
+            self._streams = None
+            return
+        B = len(reqs)
+        cap = admission.capacity(max(r.need for r in reqs))
+        kind = batch_kind(reqs)
+        parts: list[tuple[Rows, mx.array | None]] = []
+        if keep:
+            parts.append((old, mx.array(keep, dtype=mx.int32)))
+        parts += [(r.row, None) for r in new]
+        for r in new:
+            r.row = None
+        rows = merge_rows(parts, cap, kind, self.mtp, self.vocab)
+        key = (B, cap, kind)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp)
+        batch.load(rows, reqs)
+        self._batch = batch
+        self._next, self._info = rows.next, rows.info
+        st = Streams(B, self.vocab, [r.max_tokens for r in reqs], [r.stop_ids for r in reqs], None,
+                     self.depth if self.mtp else 0, self.mtp, 0)
+        st.resume([len(r.tokens) for r in reqs], [r.x0_committed for r in reqs])
+        for r in reqs:
+            r.x0_committed = False
+        st.result = self.stats
+        st.row_stats = [r.stats for r in reqs]
+        self._streams = st
+
+    #: Launch each cycle before reading the one before it (off: one cycle at a
+    #: time, for side-by-side measurements; the tokens are the same).
+    launch_ahead = True
+
+    def _launch(self) -> Any:
+        """Launches the running batch's next cycle (device work only)."""
+        batch, step = self._batch, self.cycle_count + 1
+        if self.mtp:
+            extra = () if self._info is None else (self._info,)
+            p = batch.cycle.launch("stream", step, batch.cap, self._next, *extra)
+            self._next, self._info = p.next_tokens, p.next_info
+        else:
+            p = batch.cycle.launch("plain", step, batch.cap, self._next)
+            self._next = p.bundle
+        self.cycle_count = step
+        return p
+
+    def _cycle(self) -> None:
+        """Reads one cycle, after launching the one after it when the batch may stay as it is.
+
+        The next cycle depends only on device arrays (per-stream commit, plain
+        picks), so it runs while the host reads this one's bundle and streams
+        the tokens out; a row that finishes meanwhile only wastes its share of
+        that cycle, whose tokens for it are ignored.
+        """
+        try:
+            p = self._inflight if self._inflight is not None else self._launch()
+            self._inflight = None
+            # Unless this cycle may end every stream at its cap.
+            if self.launch_ahead and not self._streams.may_all_finish():
+                self._inflight = self._launch()
+                mx.async_eval(self._inflight.bundle)
+        except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
+            self._fail_batch(e)
+            return
+        self._read(p)
+
+    def _fail_batch(self, e: BaseException) -> None:
+        for r in self._live:
+            self._fail(r, e)
+        if self._batch is not None:
+            self._batch.unload(None, None)
+        self._batch, self._live, self._next, self._info, self._inflight = None, [], None, None, None
+
+    def _read(self, p: Any) -> None:
+        """The cycle's one host read, then each live stream's commit."""
+        st, reqs = self._streams, self._live
+        try:
+            b = np.array(p.bundle)
+        except Exception as e:  # noqa: BLE001
+            self._fail_batch(e)
+            return
+        self.stats.cycles += 1
+        self.stats.forwards += 1
+        # Rows the forward computed, finished ones not yet evicted included.
+        self.counters["row_forwards"] += len(reqs)
+        for i, r in enumerate(reqs):
+            if r.finish_reason is not None or st.done[i]:
+                continue
+            try:
+                if self.mtp:
+                    _, new, reason = st.decide_stream(b, i)
+                else:
+                    _, new, reason = st.decide_plain_stream(b, i)
+            except Exception as e:  # noqa: BLE001
+                st.done[i] = True
+                self._fail(r, e)
+                continue
+            r.cycles += 1
+            self._commit_host(r, new, reason)
+
+    # -- host side of a request ---------------------------------------------------
+
+    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True) -> None:
+        if not valid:
+            self._fail(r, RuntimeError(f"request {r.id}: invalid first token (non-finite logits)"))
+            return
+        if r.first_token_s is None and new:
+            r.first_token_s = time.perf_counter()
+        r.tokens.extend(new)
+        self.counters["generated_tokens"] += len(new)
+        text = ""
+        if r.detok is not None:
+            text, cut = r.detok.push(new, final=reason is not None)
+            if cut:
+                reason = "stop"
+        try:
+            r.emit(Event("tokens", tokens=list(new), text=text))
+        except Exception as e:  # noqa: BLE001 - a failing callback fails its request only
+            self._fail(r, e)
+            return
+        if reason is not None:
+            self._finish(r, reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        if r.finish_reason is not None:
+            return
+        r.finish_reason = reason
+        self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
+        r.emit(Event("done", finish_reason=reason))
+
+    def _fail(self, r: Request, e: BaseException) -> None:
+        if r.done:
+            return
+        r.finish_reason = "error"
+        r.error = str(e) or type(e).__name__
+        r.prefill = r.row = None
+        self.counters["failed"] += 1
+        r.emit(Event("error", error=r.error))
+
+    def fail_all(self, why: str) -> None:
+        """Ends every open request with an error event (engine thread)."""
+        for r in list(self._waiting) + self._ready + self._live:
+            if not r.done:
+                self._fail(r, RuntimeError(why))
+        for item in self.take_inbox():
+            self._fail(item, RuntimeError(why))
+
+    # -- statistics ---------------------------------------------------------------
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters and MTP statistics (thread-safe enough to read from handlers)."""
+        s = self.stats
+        return {
+            **self.counters,
+            "live_streams": len(self._live),
+            "waiting": len(self._waiting),
+            "kv_slots": self.kv_slots,
+            "max_batch": self.max_batch,
+            "max_kv_slots": self.max_kv_slots,
+            "depth": self.depth if self.mtp else 0,
+            "cycles": s.cycles,
+            "acceptance": s.acceptance_rate,
+            "acceptance_per_depth": s.acceptance_per_depth,
+            "mean_accepted_length": s.mean_accepted_length,
+        }
+
+
+__all__ = ["Engine"]

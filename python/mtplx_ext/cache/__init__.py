@@ -1,0 +1,15 @@
+"""Decode caches: ragged per-stream KV, rollback and commit, row state, compiled steps.
+
+* `ragged`: `RaggedKVCache` / `RaggedPositions`, a KV cache whose streams each
+  keep their own end slot (per-stream rollback is moving that end);
+* `rollback`: undoing a verification forward on mlx-lm cache lists (recurrent
+  snapshots, KV trim, per-stream commit of captured recurrent states);
+* `rows`: a batch's device row state as one typed object: taken out of a
+  cache list, gathered with other rows, loaded into another batch's caches;
+* `compiled_step`: a decode step traced once and replayed (`CompiledStep`).
+"""
+
+from mtplx_ext.cache.compiled_step import CompiledStep, mlx_kernel_cache_dir
+from mtplx_ext.cache.ragged import RaggedKVCache, RaggedPositions
+
+__all__ = ["CompiledStep", "RaggedKVCache", "RaggedPositions", "mlx_kernel_cache_dir"]

@@ -1,0 +1,92 @@
+"""Greedy verification of MTP drafts, fused with the bundle packing."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mtplx_ext import _ext
+from mtplx_ext._checks import MAX_DRAFTS, require_chain_logits, require_int_tokens, require_logits
+
+#: Columns of the bundle returned by the verify primitives.
+BUNDLE_COLUMNS = ("x0", "draft", "second", "accept", "bonus")
+COL_X0, COL_DRAFT, COL_SECOND, COL_ACCEPT, COL_BONUS = range(5)
+#: Columns of the chain bundle ([B, K + 3] int32) of the depth-K verify
+#: primitives: x0, n (accepted drafts, or INVALID), then c_1..c_{K+1}.
+CHAIN_COL_X0, CHAIN_COL_ACCEPTED, CHAIN_COL_FIRST = range(3)
+#: Most drafts a chain may hold.
+MAX_CHAIN_DRAFTS = MAX_DRAFTS
+#: Value of ``accept`` (and of unusable token columns) for a row that must not
+#: be used: non-finite logits or a token outside the vocabulary.
+INVALID = -1
+
+
+def verify_greedy(
+    verify_logits: mx.array,
+    tokens: mx.array,
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Checks each stream's MTP draft against the target's greedy choice.
+
+    One fused pass over the verification logits replaces argmax, compare and
+    stack, and yields the bundle: the one small array the decode loop reads on
+    the host each cycle.
+
+    Args:
+        verify_logits: [B, 2, V] float32/float16/bfloat16 logits of the
+            verification forward at the positions of x0 and of the draft.
+        tokens: [B, 2] integer array of (x0, draft) per stream.
+        stream: MLX stream or device to run on (default: the default stream).
+
+    Returns:
+        [B, 5] int32 bundle with columns (x0, draft, x1, accept, bonus):
+        x1 = argmax(verify_logits[:, 0]), accept = int(draft == x1),
+        bonus = argmax(verify_logits[:, 1]); ties go to the lowest index.
+        accept is -1 when a row's logits hold NaN or +Inf (or no finite
+        value), or when x0 or the draft lies outside [0, V).
+
+    Raises:
+        TypeError: an argument is not an mx.array or has the wrong dtype.
+        ValueError: shapes are not [B, 2, V] and [B, 2].
+    """
+    logits = require_logits("verify_logits", verify_logits, 3)
+    if logits.shape[1] != 2:
+        raise ValueError(
+            f"verify_logits must have shape [B, 2, V], got {tuple(logits.shape)}"
+        )
+    tok = require_int_tokens("tokens", tokens, (logits.shape[0], 2))
+    return _ext.verify_greedy(logits, tok, stream=stream)
+
+
+def verify_greedy_chain(
+    verify_logits: mx.array,
+    tokens: mx.array,
+    *,
+    stream: mx.Stream | mx.Device | None = None,
+) -> mx.array:
+    """Checks each stream's K chained MTP drafts against the greedy target.
+
+    With a_j = argmax(verify_logits[:, j]) (ties to the lowest index), draft
+    d_i is accepted when d_i == a_{i-1} and every earlier draft was; the
+    commit after n accepted drafts is d_1..d_n, a_n. Rows past the first
+    mismatch are never read, and a draft outside [0, V) is simply rejected.
+
+    Args:
+        verify_logits: [B, K + 1, V] float32/float16/bfloat16 logits of the
+            verification forward of [x0, d_1..d_K], K in 1..8.
+        tokens: [B, K + 1] integer (x0, d_1..d_K).
+        stream: MLX stream or device to run on.
+
+    Returns:
+        [B, K + 3] int32 chain bundle: x0, n, c_1..c_{K+1} (c_j = -1 for
+        j > n + 1). n = -1 (and every c -1) when x0 lies outside [0, V) or a
+        needed row (0..n) holds NaN or +Inf or no finite value.
+
+    Raises:
+        TypeError: an argument is not an mx.array or has the wrong dtype.
+        ValueError: shapes are not [B, K + 1, V] and [B, K + 1], or K is
+            outside 1..8.
+    """
+    logits, K = require_chain_logits("verify_logits", verify_logits, MAX_CHAIN_DRAFTS)
+    tok = require_int_tokens("tokens", tokens, (logits.shape[0], K + 1))
+    return _ext.verify_greedy_chain(logits, tok, stream=stream)

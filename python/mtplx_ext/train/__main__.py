@@ -1,0 +1,5 @@
+"""`python -m mtplx_ext.train`."""
+
+from mtplx_ext.train.cli import main
+
+main()
