@@ -142,8 +142,12 @@ def main() -> None:
     report = {"command": "python bench/scripts/depth_sweep.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "model"
     ), "versions": benchmark.versions(), "batches": {}}
+    floor = benchmark.streaming_floor(rt)
+    report["floor"] = floor
     print(f"BLAS: {_blas.describe()}; {args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
           f"{args.tokens} new tokens, medians of {args.repeats} interleaved repeats")
+    print(f"weight-streaming floor: {floor['weight_bytes'] / 1e9:.3f} GB / {floor['read_bandwidth'] / 1e9:.1f} GB/s "
+          f"= {floor['floor_s'] * 1e3:.2f} ms per step")
     print("| batch | depth | tokens/s | x plain | acceptance per depth | mean accepted length | "
           "verify(K+1) / plain | head / plain | bound | x bound | same tokens as plain |")
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
@@ -160,6 +164,8 @@ def main() -> None:
                   f"{'/'.join(f'{a:.2f}' for a in m['acceptance_per_depth'])} | {m['mean_accepted_length']:.2f} | "
                   f"{cost[f'verify{d + 1}']:.2f} | {cost['head']:.2f} | {bound:.2f} | {m['x_plain'] / bound:.2f} | "
                   f"{m['same_tokens_as_plain']}/{m['streams']} |", flush=True)
+        print(f"batch {batch}: plain step {cost['plain_ms']:.2f} ms = {cost['plain_ms'] / 1e3 / floor['floor_s']:.2f}x "
+              "the weight-streaming floor", flush=True)
         report["batches"][batch] = {"plain": e2e["plain"], "plain_step_ms": cost["plain_ms"], "depths": rows}
     if args.json:
         with open(args.json, "w") as f:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +118,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's own server on the shipped folder")
+    ap.add_argument("--model", default=str(SHIPPED_MODEL), help="model folder (default: the shipped model)")
+    ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's own server on the same folder")
     ap.add_argument("--json")
     a = ap.parse_args()
     if not 1 <= a.requests <= 256 or not 1 <= a.tokens <= 1024 or not 1 <= a.repeats <= 10:
@@ -125,11 +127,13 @@ def main() -> None:
     concs = [int(c) for c in a.concurrency.split(",")]
     sys.path.insert(0, str(ROOT / "python"))
 
-    folder = str(SHIPPED_MODEL)
-    servers = {
-        "mtp": [sys.executable, "-m", "mtplx_ext.cli", "serve", "--max-batch", str(max(concs)), "--depth", str(a.depth)],
-        "plain": [sys.executable, "-m", "mtplx_ext.cli", "serve", "--max-batch", str(max(concs)), "--no-mtp"],
-    }
+    folder = str(Path(a.model).resolve())
+    trunk_bytes = sum(f.stat().st_size for f in Path(folder).glob("model*.safetensors"))
+    bw = read_bandwidth(min(max(2 * trunk_bytes, 256 << 20), 1 << 30))
+    print(f"weight-streaming floor: {trunk_bytes / 1e9:.3f} GB of trunk weights / {bw / 1e9:.1f} GB/s = "
+          f"{streaming_floor_s(trunk_bytes, bw) * 1e3:.2f} ms per step", flush=True)
+    serve = [sys.executable, "-m", "mtplx_ext.cli", "serve", "--model", folder, "--max-batch", str(max(concs))]
+    servers = {"mtp": serve + ["--depth", str(a.depth)], "plain": serve + ["--no-mtp"]}
     if a.mlx_lm:
         servers["mlx_lm"] = [sys.executable, "-m", "mlx_lm.server", "--model", folder]
     procs, bases = {}, {}
@@ -138,7 +142,7 @@ def main() -> None:
             port = _port()
             procs[name] = start(cmd + ["--port", str(port)] + (["--host", "127.0.0.1"] if name == "mlx_lm" else []), port)
             bases[name] = f"http://127.0.0.1:{port}"
-        models = {n: folder if n == "mlx_lm" else "tiny-qwen3-mtp" for n in servers}
+        models = {n: folder if n == "mlx_lm" else Path(folder).name for n in servers}
         for name in servers:
             run_load(bases[name], models[name], 2, 4, 8)  # warm-up: kernels, traces
         rounds: dict[str, list[list[dict]]] = {n: [[] for _ in concs] for n in servers}
@@ -172,6 +176,7 @@ def main() -> None:
                          for r in rows.values())
         print(f"| {c} | {cells} | {ratio:.2f}x | {lat} | {sum(r['failed'] for r in rows.values())} |")
     if a.json:
+        report["floor"] = {"weight_bytes": trunk_bytes, "read_bandwidth": bw}
         Path(a.json).write_text(json.dumps(report, indent=2))
 
 

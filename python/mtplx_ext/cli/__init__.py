@@ -4,9 +4,10 @@
     mtplx-ext bench --batch 1,8 --tokens 128 --repeats 3 --json bench.json
     mtplx-ext convert HF_FOLDER OUT -q
     mtplx-ext serve --port 8080
+    mtplx-ext grow /tmp/grown --width 8 --depth 2
 
 Without --model the verbs use the small model shipped inside the package.
-Each verb module (`generate`, `bench`, `convert`, `serve`) has
+Each verb module (`generate`, `bench`, `convert`, `grow`, `serve`) has
 `add_parser(subparsers)` and `run(args) -> exit status`; shared pieces are in
 `common`.
 """
@@ -16,10 +17,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mtplx_ext.cli import bench, convert, generate, serve
+from mtplx_ext.cli import bench, convert, generate, grow, serve
 from mtplx_ext.cli.common import CLIError, StdoutError, drop_stdout
 
-VERBS = (generate, bench, convert, serve)
+VERBS = (generate, bench, convert, grow, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""The benchmark harness `mtplx-ext bench` and the scripts in bench/ share.
+"""Timed decodes for `mtplx-ext bench` and the scripts in bench/.
 
 A `Run` is one timed greedy decode (tokens over all streams, seconds after
 the first token, raw acceptance counts so that runs combine); `engine_run`
@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext import _blas
+from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s, weight_bytes
 from mtplx_ext.engine import generate_greedy_batched
 from mtplx_ext.shipped import BENCH_PROMPTS
 from mtplx_ext.train import corpus
@@ -284,6 +285,7 @@ def run_bench(
             })
     if bar is not None:
         bar.close()
+    floor = streaming_floor(rt)
     return {
         "tokens": n,
         "repeats": repeats,
@@ -291,16 +293,35 @@ def run_bench(
         "methods": methods,
         "prompts": len(prompt_ids),
         "rows": rows,
+        "floor": floor,
         "versions": versions(),
     }
+
+
+def streaming_floor(rt: Any) -> dict:
+    """The model's weight-streaming floor on this machine, measured now: trunk bytes / read rate.
+
+    The read buffer is twice the weights (at least 256 MiB, at most 1 GiB),
+    so a small model is timed against the caches it lives in and a large one
+    against memory.
+    """
+    nbytes = weight_bytes(rt)
+    bw = read_bandwidth(min(max(2 * nbytes, 256 << 20), 1 << 30))
+    return {"weight_bytes": nbytes, "read_bandwidth": bw, "floor_s": streaming_floor_s(nbytes, bw)}
 
 
 def format_table(report: dict) -> str:
     """A Markdown table of a bench report."""
     engine = [r["compiled"] for r in report["rows"] if r.get("compiled") is not None]
     steps = "compiled (mx.compile)" if engine and all(engine) else "eager" if not any(engine) else "mixed"
+    fl = report.get("floor")
+    plain1 = [r for r in report["rows"] if r["method"] == "plain" and r["batch"] == 1]
     lines = [
         f"BLAS: {report['versions']['blas']}",
+        *([f"weight-streaming floor: {fl['weight_bytes'] / 1e9:.3f} GB of trunk weights / "
+           f"{fl['read_bandwidth'] / 1e9:.1f} GB/s read = {fl['floor_s'] * 1e3:.2f} ms per step"
+           + (f"; plain batch-1 step {1e3 / plain1[0]['tokens_per_s']:.2f} ms "
+              f"({1 / plain1[0]['tokens_per_s'] / fl['floor_s']:.2f}x the floor)" if plain1 else "")] if fl else []),
         f"engine decode steps: {steps}",
         f"{report['tokens']} new tokens per stream, median of {report['repeats']} repeats "
         "(x plain: median of the per-repeat ratios)",
