@@ -50,6 +50,8 @@ def test_generate_command_streams_the_committed_text_and_reports_stats():
     assert p.stdout == prompt + rt.tokenizer.decode(res.streams[0].tokens) + "\n"
     for word in ("tokens/s", "acceptance", "forwards/token", "BLAS openblas" if sys.platform.startswith("linux") else "BLAS"):
         assert word in p.stderr
+    # Prefill and decode are reported apart (the prompt's tokens counted in the first).
+    assert f"prefill: {len(ids)} prompt tokens in " in p.stderr and "; decode: " in p.stderr
 
 
 def test_generate_decodes_several_prompts_as_one_batch(capsys):
@@ -250,3 +252,25 @@ def test_generate_says_when_mlx_must_first_build_its_kernels(tmp_path, capsys, m
     monkeypatch.setattr(cli_common, "mlx_kernel_cache_is_cold", lambda: True)
     assert cli.main(["generate", "--max-tokens", "2", "x"]) == 0
     assert "first compiled decode on this machine" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_request_beyond_the_context_with_the_servers_rule(capsys, monkeypatch):
+    rt = mtplx_ext.load(SHIPPED_MODEL)
+    monkeypatch.setattr(cli_common, "load_model", lambda *a, **k: rt)
+    ctx = rt.config["max_position_embeddings"]
+    rng = random.Random()
+    long_text = " ".join(_random_prompt(rng) for _ in range(ctx // 2))
+    n_long = len(rt.tokenizer.encode(long_text).ids)
+    assert n_long > ctx
+    eng = mtplx_ext.Engine(rt, max_batch=1)
+    for argv, n_prompt, max_tokens in (
+        (["generate", "def f(", "--max-tokens", str(ctx + 1)], len(rt.tokenizer.encode("def f(").ids), ctx + 1),
+        (["generate", long_text, "--max-tokens", "4"], n_long, 4),
+    ):
+        with pytest.raises(ValueError) as server:
+            eng.submit([1] * n_prompt, max_tokens=max_tokens)
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"mtplx-ext: error: {server.value}\n", err
+    # Within the context it decodes.
+    assert cli.main(["generate", "def f(", "--max-tokens", "4"]) == 0

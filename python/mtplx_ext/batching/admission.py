@@ -33,6 +33,12 @@ def fits(needs: Sequence[int], max_batch: int, max_kv_slots: int) -> bool:
     return len(needs) * capacity(max(needs)) <= max_kv_slots
 
 
+def model_context(runtime: object) -> int:
+    """The most prompt + generated tokens one request may have: the model's max_position_embeddings."""
+    cfg = getattr(runtime, "config", {}) or {}
+    return int(cfg.get("max_position_embeddings", 4096))
+
+
 def check_context(prompt_len: int, max_tokens: int, context: int) -> None:
     """Refuses a request whose prompt plus max_tokens exceeds the model's context (ValueError)."""
     total = prompt_len + max_tokens
@@ -54,4 +60,4 @@ def check_stops(stop: Sequence[str] | str, has_tokenizer: bool) -> tuple[str, ..
     return stops
 
 
-__all__ = ["KV_BLOCK", "capacity", "check_context", "check_stops", "fits", "request_need"]
+__all__ = ["KV_BLOCK", "capacity", "check_context", "model_context", "check_stops", "fits", "request_need"]

@@ -78,8 +78,7 @@ class Engine:
         # As fixed-batch decoding decides: the capture for per-stream commit,
         # else only for runtimes that opted into fused CPU ops.
         self._route = recurrent and (self.mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
-        cfg = getattr(runtime, "config", {}) or {}
-        default_ctx = int(cfg.get("max_position_embeddings", 4096))
+        default_ctx = admission.model_context(runtime)
         self.context = as_int("context", context if context is not None else default_ctx, lo=2)
         self.max_kv_slots = as_int(
             "max_kv_slots", max_kv_slots if max_kv_slots is not None else self.max_batch * admission.capacity(self.context), lo=1

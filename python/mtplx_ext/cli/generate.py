@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from mtplx_ext import _blas
+from mtplx_ext.batching import admission
 from mtplx_ext.cli import common
 from mtplx_ext.cli.common import (
     CLIError,
@@ -56,6 +57,7 @@ def decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_commi
         use_mtp_draft=not args.no_mtp, on_commit=on_commit, enforce_eager=args.enforce_eager, depth=args.depth,
     )
 
+
 def run(args: argparse.Namespace) -> int:
     texts = args.prompt or [DEFAULT_PROMPT]
     check_prompt_text(texts)
@@ -69,6 +71,12 @@ def run(args: argparse.Namespace) -> int:
     rt = common.load_model(args.model, need_mtp=not args.no_mtp)
     tok = tokenizer(rt, args.model)
     prompts = encode(tok, texts)
+    context = admission.model_context(rt)
+    for i, ids in enumerate(prompts):
+        try:  # the server's rule: prompt + max_tokens within the model's context
+            admission.check_context(len(ids), args.max_tokens, context)
+        except ValueError as e:
+            raise CLIError(f"prompt {i}: {e}" if len(prompts) > 1 else str(e)) from None
     if len(prompts) == 1:
         header = texts[0]
     else:
@@ -85,8 +93,11 @@ def run(args: argparse.Namespace) -> int:
             f"MTP depth {res.depth}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
             f"mean accepted length {res.mean_accepted_length:.2f}"
         )
+    prompt_tokens = sum(len(p) for p in prompts)
     print(
-        f"-- {res.generated_tokens} tokens in {res.decode_s:.2f}s: {res.tokens_per_s:.1f} tokens/s, "
+        f"-- prefill: {prompt_tokens} prompt tokens in {res.prefill_s:.2f}s "
+        f"({prompt_tokens / max(res.prefill_s, 1e-9):.0f} tokens/s); "
+        f"decode: {res.generated_tokens} tokens in {res.decode_s:.2f}s: {res.tokens_per_s:.1f} tokens/s, "
         f"{mode}, {res.forwards / max(per_stream, 1):.2f} forwards/token, "
         f"batch {len(prompts)}, {'compiled' if res.compiled else 'eager'} steps, BLAS {_blas.status().name}",
         file=sys.stderr,
