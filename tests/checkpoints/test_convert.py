@@ -300,6 +300,15 @@ def test_mtp_from_adds_the_head_that_convert_of_the_full_checkpoint_has(tmp_path
     with contextlib.redirect_stdout(io.StringIO()):
         mlx_lm_convert(str(folder), str(tmp_path / "mlx"), quantize=True, q_bits=4, q_group_size=32, dtype="float32")
     assert not any(k in saved(tmp_path / "mlx") for k in L.head_keys(family, t))
+    # The headless folder's config may still record a head it once had: stale entries are replaced.
+    cfg_file = tmp_path / "mlx" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    stale = {k[: -len(".weight")]: {"group_size": 64, "bits": 8} for k in L.head_keys(family, t)
+             if k.endswith(".weight") and t[k].ndim == 2}
+    assert stale
+    for field in ("quantization", "quantization_config"):
+        cfg[field] = {**cfg[field], **stale}
+    cfg_file.write_text(json.dumps(cfg))
     # Only the index and the shard holding the head are needed.
     src = tmp_path / "hf_head_only"
     src.mkdir()
@@ -399,6 +408,11 @@ def test_cli_convert_writes_a_quantized_folder_with_its_head(tmp_path, hf, capsy
     assert rt.head_layout == "mimo" and set(_quantized_layers(rt.head).values()) == {8}
     assert cli.main(["convert", str(folder), str(tmp_path / "q")]) == 2  # not empty
     assert "mtplx-ext: error:" in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert cli.main(["convert", str(folder), str(a_file)]) == 2
+    err = capsys.readouterr().err
+    assert f"output {str(a_file)!r} is a file, not a folder" in err and "not empty" not in err
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "deepseek_v3", "mimo"])

@@ -146,7 +146,9 @@ def cast_runtime(runtime: Any, dtype: mx.Dtype | None) -> None:
 def _check_out(out: Path, sources: list[Path]) -> None:
     if any(out.resolve() == s.resolve() for s in sources):
         raise CheckpointError(f"output folder {str(out)!r} is also an input folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {str(out)!r} is a file, not a folder: give a new or empty folder")
+    if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output folder {str(out)!r} already exists and is not empty")
 
 
@@ -344,6 +346,22 @@ def add_mtp(
         return _add_head(hf_path, mlx_path, out, layout, shards, ht, mt, mlx_cfg, mtp_bits, keep_fusion_float, progress)
 
 
+def _without_head_quantization(config: dict, layout: str) -> dict:
+    """`config` without per-module quantization entries of the head's modules.
+
+    A headless folder may still record how a head it once had was quantized
+    (e.g. `"mtp.fc": {...}` under `quantization`); those entries describe
+    tensors that are not there, and the head added now writes its own.
+    """
+    out = dict(config)
+    for field in ("quantization", "quantization_config"):
+        q = out.get(field)
+        if isinstance(q, dict):
+            out[field] = {k: v for k, v in q.items()
+                          if not (isinstance(v, (dict, bool)) and is_head_key(layout, config, k + ".weight"))}
+    return out
+
+
 def _add_head(
     hf_path: Path,
     mlx_path: Path,
@@ -363,7 +381,7 @@ def _add_head(
         part = read_safetensors(hf_path / f)
         head_w.update({k: v for k, v in part.items() if is_head_key(layout, ht, k)})
     trunk_w = read_weights(mlx_path)
-    config = {**mlx_cfg, "mtp_head_layout": layout}
+    config = {**_without_head_quantization(mlx_cfg, layout), "mtp_head_layout": layout}
     for field in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         if field in ht and field not in mt:
             config[field] = ht[field]
