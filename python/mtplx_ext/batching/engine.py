@@ -23,7 +23,9 @@ from mtplx_ext.batching.batch import Batch, Rows, merge_rows, prefill_cycle
 from mtplx_ext.batching.requests import Event, Request, batch_kind
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.engine import session
+from mtplx_ext.engine.autodepth import AUTO
 from mtplx_ext.engine.cycle import Cycle
+from mtplx_ext.engine.generate import auto_depth
 from mtplx_ext.engine.results import BatchedDecodeResult
 from mtplx_ext.engine.streams import Streams
 from mtplx_ext.sampling import SamplerConfig
@@ -37,7 +39,9 @@ class Engine:
             hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
             from the recurrent states captured at each verified position.
         max_batch: most streams decoding at once.
-        depth: drafts per cycle (K).
+        depth: drafts per cycle (K), or "auto": the depth that decodes a
+            full batch (max_batch streams) fastest here, 0 meaning plain
+            decoding (`mtplx_ext.engine.autodepth`; calibrated once, cached).
         use_mtp: False decodes plainly (one token per forward), the baseline.
         max_kv_slots: most KV slots held by the running batch (rows times
             its per-row capacity); default max_batch times the context.
@@ -59,7 +63,7 @@ class Engine:
         runtime: Any,
         *,
         max_batch: int = 8,
-        depth: int = 1,
+        depth: int | str = 1,
         use_mtp: bool = True,
         max_kv_slots: int | None = None,
         prefill_chunk: int = 256,
@@ -68,8 +72,12 @@ class Engine:
     ):
         self.rt = runtime
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
-        self.depth = as_depth(depth)
         self.mtp = bool(use_mtp)
+        if depth == AUTO:  # the fastest depth for a full batch here (0: plain decoding)
+            self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
+            chosen = auto_depth(runtime, self.max_batch) if self.mtp else 1
+            self.mtp, depth = self.mtp and chosen > 0, max(chosen, 1)
+        self.depth = as_depth(depth)
         if self.mtp and not runtime.has_mtp:
             raise ValueError("use_mtp=True needs a runtime with MTP head weights (this one has none)")
         recurrent = session.has_recurrent_layers(runtime)

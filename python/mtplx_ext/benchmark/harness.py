@@ -66,6 +66,7 @@ class Run:
     stream_cycles: int = 0  # cycles summed over the streams each was live in
     cycles: int = 0
     repair_cycles: int = 0
+    depths: list[int] = field(default_factory=list)  # the depth each decode ran at (0: plain)
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,10 +79,10 @@ def engine_run(
     n: int,
     mtp: bool,
     enforce_eager: bool = False,
-    depth: int = 1,
+    depth: int | str = 1,
     reject_mode: str = "repair",
 ) -> Run:
-    """One greedy decode of `prompts` as one batch, timed (the benches' unit of work)."""
+    """One greedy decode of `prompts` as one batch, timed (the benches' unit of work); depth may be "auto"."""
     r = generate_greedy_batched(
         rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager, depth=depth,
         reject_mode=reject_mode,
@@ -103,6 +104,7 @@ def engine_run(
         stream_cycles=r.stream_cycles,
         cycles=r.cycles,
         repair_cycles=r.repair_cycles,
+        depths=[r.depth],
     )
 
 
@@ -140,6 +142,7 @@ def combined_runs(runs: list[Run]) -> Run:
         stream_cycles=sum(r.stream_cycles for r in runs),
         cycles=sum(r.cycles for r in runs),
         repair_cycles=sum(r.repair_cycles for r in runs),
+        depths=[d for r in runs for d in r.depths],
     )
 
 
@@ -220,15 +223,17 @@ def run_bench(
     `baseline` is the model mlx-lm's generation runs (default: rt's trunk);
     give the one `mlx_lm_model` loads, so that it runs mlx-lm's own modules.
     `enforce_eager` keeps the engine's steps out of `mx.compile`. `depths`:
-    one MTP method per depth ("mtp" alone for [1]). `prompt_ids`: the
+    one MTP method per depth, ints or "auto" ("mtp" alone for one
+    depth; default ["auto"]). `prompt_ids`: the
     prompts (default: the bench's own openings).
     """
     baseline = rt.trunk if baseline is None else baseline
     prompt_ids = encode_prompts(tok, list(BENCH_PROMPTS)) if prompt_ids is None else prompt_ids
-    depths = depths or [1]
+    depths = depths or ["auto"]
     runners: dict[str, Any] = {}
     for d in depths:
-        runners["mtp" if depths == [1] else f"mtp-k{d}"] = lambda p, d=d: engine_run(rt, p, n, True, enforce_eager, d)
+        name = "mtp" if len(depths) == 1 else (f"mtp-{d}" if d == "auto" else f"mtp-k{d}")
+        runners[name] = lambda p, d=d: engine_run(rt, p, n, True, enforce_eager, d)
     runners["plain"] = lambda p: engine_run(rt, p, n, False, enforce_eager)
     runners["mlx-lm"] = lambda p: mlx_lm_run(baseline, p, n)
     methods = list(runners)
@@ -275,6 +280,7 @@ def run_bench(
                 "streams_equal_to_plain": sum(a == c for a, c in zip(rs[0].outputs, ref_out)),
                 "streams": len(ref_out),
                 "compiled": rs[0].compiled,
+                "depth": sorted(set(rs[0].depths)) if m != "mlx-lm" else [],
                 "tokens_per_s_repeats": [r.tokens_per_s for r in rs],
                 # Over all repeats: accepted / reached per draft position.
                 "acceptance_per_depth": [
@@ -326,17 +332,18 @@ def format_table(report: dict) -> str:
         f"{report['tokens']} new tokens per stream, median of {report['repeats']} repeats "
         "(x plain: median of the per-repeat ratios)",
         "",
-        "| batch | method | tokens/s | x plain | acceptance | per depth | accepted length | forwards/token "
+        "| batch | method | K | tokens/s | x plain | acceptance | per depth | accepted length | forwards/token "
         "| same tokens as plain |",
-        "|---:|---|---:|---:|---:|---|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for r in report["rows"]:
         acc = r["acceptance_rate"]
         fpt = r["forwards_per_token"]
         per = r.get("acceptance_per_depth") or []
         mal = r.get("mean_accepted_length")
+        depth = "/".join(map(str, r.get("depth") or []))
         lines.append(
-            f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio_to_plain']:.2f} | "
+            f"| {r['batch']} | {r['method']} | {depth} | {r['tokens_per_s']:.1f} | {r['ratio_to_plain']:.2f} | "
             f"{'' if acc is None else f'{acc:.2f}'} | {'/'.join(f'{a:.2f}' for a in per)} | "
             f"{'' if acc is None or mal is None else f'{mal:.2f}'} | {'' if fpt is None else f'{fpt:.2f}'} | "
             f"{r['streams_equal_to_plain']}/{r['streams']} |"

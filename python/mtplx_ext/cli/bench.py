@@ -34,7 +34,8 @@ def add_parser(sub: Any) -> None:
         help="batch sizes, e.g. 1,4,8 (each decodes all 8 bench prompts, b at a time)",
     )
     b.add_argument("--tokens", type=positive("--tokens"), default=128, help="new tokens per stream")
-    b.add_argument("--depth", type=depths_flag, default=[1], help="MTP depths to sweep, e.g. 1,2,3,4,5")
+    b.add_argument("--depth", type=depths_flag, default=["auto"],
+                   help="MTP depths to sweep, e.g. 1,2,3,4,5,auto (default auto: the fastest depth here)")
     b.add_argument(
         "--heldout", type=positive("--heldout"), default=0,
         help="N prompts cut at random from held-out Python stdlib files (not trained on) instead of the bench's own",

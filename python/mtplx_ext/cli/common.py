@@ -238,18 +238,23 @@ def sampler_flag(flag: str, field: str, kind: type = float):
     return parse
 
 
-def depth_flag(text: str) -> int:
+def depth_flag(text: str) -> int | str:
+    """--depth: an int in 1..MAX_DRAFTS, or "auto" (the fastest depth here, 0 meaning plain decoding)."""
+    if text.strip() == "auto":
+        return "auto"
     try:
         d = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--depth must be an integer in 1..{MAX_DRAFTS}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"--depth must be auto or an integer in 1..{MAX_DRAFTS}, got {text!r}") from None
     if not 1 <= d <= MAX_DRAFTS:
         raise argparse.ArgumentTypeError(f"--depth must be in 1..{MAX_DRAFTS}, got {d}")
     return d
 
 
-def depths_flag(text: str) -> list[int]:
-    return sorted({depth_flag(t) for t in text.split(",") if t.strip()}) or [1]
+def depths_flag(text: str) -> list[int | str]:
+    """--depth for bench: depths to sweep, ints ascending, then "auto" if given."""
+    given = {depth_flag(t) for t in text.split(",") if t.strip()}
+    return sorted(d for d in given if d != "auto") + (["auto"] if "auto" in given else []) or ["auto"]
 
 
 def seed_flag(text: str) -> int:

@@ -37,7 +37,8 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--top-k", type=sampler_flag("--top-k", "top_k", int), default=0, help="0 = off")
     g.add_argument("--seed", type=seed_flag, default=0)
     g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
-    g.add_argument("--depth", type=depth_flag, default=1, help="MTP drafts per cycle, 1..8")
+    g.add_argument("--depth", type=depth_flag, default="auto",
+                   help="MTP drafts per cycle, 1..8, or auto (default: the fastest here, plain where MTP would not pay)")
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
     g.set_defaults(func=run)
 
@@ -87,10 +88,12 @@ def run(args: argparse.Namespace) -> int:
     per_stream = res.generated_tokens / len(prompts)
     if args.no_mtp:
         mode = "plain decoding"
+    elif res.depth == 0:
+        mode = f"plain decoding (--depth auto: MTP does not pay at batch {len(prompts)} on this model here)"
     else:
         per_depth = "/".join(f"{a:.2f}" for a in res.acceptance_per_depth)
         mode = (
-            f"MTP depth {res.depth}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
+            f"MTP depth {res.depth}{' (auto)' if args.depth == 'auto' else ''}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
             f"mean accepted length {res.mean_accepted_length:.2f}"
         )
     prompt_tokens = sum(len(p) for p in prompts)

@@ -18,7 +18,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--max-batch", type=positive("--max-batch"), default=8, help="most streams decoding at once")
-    s.add_argument("--depth", type=depth_flag, default=1, help="MTP drafts per cycle, 1..8")
+    s.add_argument("--depth", type=depth_flag, default="auto",
+                   help="MTP drafts per cycle, 1..8, or auto (default: the fastest for a full batch here; plain where MTP would not pay)")
     s.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding (the baseline)")
     s.add_argument("--max-kv-slots", type=positive("--max-kv-slots"), help="most KV slots of the running batch")
     s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=256)

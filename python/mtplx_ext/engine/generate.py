@@ -9,6 +9,7 @@ from typing import Any
 import mlx.core as mx
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
+from mtplx_ext.engine import autodepth
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine import session
 from mtplx_ext.engine.cycle import Cycle, Pending
@@ -30,7 +31,7 @@ def generate_batched(
     row_seeds: Sequence[int] | None = None,
     stop_token_ids: Sequence[int] = (),
     use_mtp_draft: bool = True,
-    depth: int = 1,
+    depth: int | str = 1,
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,
@@ -55,7 +56,10 @@ def generate_batched(
         use_mtp_draft: False decodes plainly, one token per forward (the
             baseline), through the same runtime.
         depth: drafts per cycle, K in 1..8: the head applied K times, then
-            one [B, K + 1] verification forward.
+            one [B, K + 1] verification forward; or "auto": the K (0 = plain
+            decoding) that decodes this batch size fastest on this model and
+            machine (`mtplx_ext.engine.autodepth`: a short calibration the
+            first time, cached). The result's `depth` says which.
         reject_mode: "repair": per-stream commit (each stream keeps its
             accepted drafts, no extra forward) on attention-only trunks and
             on GatedDeltaNet hybrids (qwen3_next, qwen3_5: the recurrent
@@ -86,12 +90,15 @@ def generate_batched(
     max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
     seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
     stop_ids = as_stop_ids(stop_token_ids, vocab)
+    use_mtp_draft = bool(use_mtp_draft)
+    if depth == autodepth.AUTO:
+        chosen = auto_depth(runtime, len(prompts), enforce_eager) if use_mtp_draft else 1
+        use_mtp_draft, depth = use_mtp_draft and chosen > 0, max(chosen, 1)
     depth = as_depth(depth)
     if reject_mode not in REJECT_MODES:
         raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
     if on_commit is not None and not callable(on_commit):
         raise TypeError("on_commit must be callable or None")
-    use_mtp_draft = bool(use_mtp_draft)
     if use_mtp_draft and not runtime.has_mtp:
         raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     policy = make_policy(sampler, seed, row_seeds)
@@ -161,6 +168,19 @@ def _generate(
     return st.result
 
 
+def auto_depth(runtime: Any, batch: int, enforce_eager: bool = False) -> int:
+    """The depth "auto" picks for `batch` streams (0: plain decoding), calibrating on first use."""
+    if not getattr(runtime, "has_mtp", False):
+        return 0
+
+    def decode(prompts: list[list[int]], n: int, k: int) -> tuple[float, int, list[int], list[int]]:
+        r = generate_greedy_batched(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
+                                    enforce_eager=enforce_eager)
+        return r.decode_s, r.cycles, list(r.accepted_at), list(r.reached)
+
+    return autodepth.choose_depth(autodepth.depth_costs(runtime, batch, decode))
+
+
 def generate_greedy_batched(
     runtime: Any,
     prompts: Sequence[Sequence[int]],
@@ -168,7 +188,7 @@ def generate_greedy_batched(
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
     use_mtp_draft: bool = True,
-    depth: int = 1,
+    depth: int | str = 1,
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,

@@ -1,0 +1,198 @@
+"""`depth="auto"`: the drafts per cycle (K, or 0 for plain decoding) that decode fastest here.
+
+A cycle at depth K costs `cycle_s[K]` (K head steps, one [B, K + 1]
+verification, the commit; K = 0 is one plain step) and commits on average
+`1 + sum_j prod_{i <= j} a_i` tokens per stream, with a_i the acceptance of
+draft i given draft i - 1 was accepted. Both depend on the model and the
+machine far more than on anything else: on a model that lives in the CPU's
+caches a verification of K + 1 tokens costs several plain steps, on a
+memory-bound one about one. So the choice is measured, not guessed:
+`calibrate` times short greedy decodes of the running model at every depth
+0..K_max for a batch size (and reads their acceptance), `depth_costs` keeps
+the result per model, machine and batch size (in memory and under the user's
+cache folder, as MTPLX's `tune` does), and `choose_depth` picks the K with
+the most tokens per second for a given acceptance (the calibration's, or one
+observed since). K = 0 wins wherever MTP would lose, so `auto` never decodes
+slower than MTP off by more than the measurement's noise.
+
+Greedy tokens never depend on K (every depth is lossless), and sampled
+decoding is exact at every K, so the choice changes speed only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mtplx_ext.shipped import BENCH_PROMPTS
+
+AUTO = "auto"
+#: Deepest K the calibration tries (deeper chains rarely pay: acceptance compounds).
+MAX_AUTO_DEPTH = 5
+#: Tokens per stream of each calibration decode.
+CALIBRATION_TOKENS = 24
+#: Format of the cached calibration files.
+_CACHE_VERSION = 1
+
+#: (prompts, max_new_tokens, depth or 0 for plain) -> (decode seconds, cycles, accepted_at, reached).
+Decode = Callable[[list[list[int]], int, int], tuple[float, int, list[int], list[int]]]
+
+
+@dataclass
+class DepthCosts:
+    """Measured cycle costs of one model at one batch size on this machine.
+
+    Attributes:
+        batch: streams per cycle.
+        cycle_s: seconds per cycle by depth ("0" is a plain step); JSON keys are strings.
+        acceptance: per draft position, the acceptance seen by the calibration.
+    """
+
+    batch: int
+    cycle_s: dict[str, float]
+    acceptance: list[float]
+
+    def depths(self) -> list[int]:
+        return sorted(int(k) for k in self.cycle_s)
+
+
+def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
+    """Tokens a stream commits per cycle at `depth`: 1 + sum over j <= K of prod_{i <= j} a_i."""
+    total, run = 1.0, 1.0
+    for j in range(depth):
+        a = float(acceptance[j]) if j < len(acceptance) else 0.0
+        run *= min(max(a, 0.0), 1.0)
+        total += run
+    return total
+
+
+def tokens_per_s(costs: DepthCosts, depth: int, acceptance: Sequence[float] | None = None) -> float:
+    """Predicted tokens per second of all streams at `depth`."""
+    acc = costs.acceptance if acceptance is None else acceptance
+    per_cycle = 1.0 if depth == 0 else expected_tokens(acc, depth)
+    return costs.batch * per_cycle / costs.cycle_s[str(depth)]
+
+
+def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None) -> int:
+    """The depth (0 = plain decoding) with the most predicted tokens per second."""
+    return max(costs.depths(), key=lambda k: (tokens_per_s(costs, k, acceptance), -k))
+
+
+def calibration_prompts(runtime: Any, batch: int, length: int = 16) -> list[list[int]]:
+    """The same prompts every run: code openings through the model's tokenizer, else fixed random tokens.
+
+    Acceptance depends on the text: the continuation of real text, not of
+    random tokens (which decoding often turns into loops that any drafter
+    guesses), is what a user's prompts get.
+    """
+    tok = getattr(runtime, "tokenizer", None)
+    vocab = int(runtime.vocab_size)
+    if tok is not None:
+        ids = [[t for t in tok.encode(BENCH_PROMPTS[i % len(BENCH_PROMPTS)]).ids if 0 <= t < vocab] for i in range(batch)]
+        if all(ids):
+            return ids
+    rng = np.random.default_rng(20261202)
+    return [[int(t) for t in rng.integers(0, vocab, length)] for _ in range(batch)]
+
+
+def calibrate(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_AUTO_DEPTH,
+              tokens: int = CALIBRATION_TOKENS) -> DepthCosts:
+    """Times greedy decodes at depths 0..max_depth (each warmed up once) and reads their acceptance.
+
+    Depths interleave over two timed rounds (medians), so a load change on
+    the machine hits them alike; the acceptance per position pools every MTP
+    decode of the calibration.
+    """
+    prompts = calibration_prompts(runtime, batch)
+    depths = [0] + (list(range(1, max_depth + 1)) if getattr(runtime, "has_mtp", False) else [])
+    for k in depths:
+        decode(prompts, tokens, k)  # traces and compiles the steps of exactly this shape
+    times: dict[int, list[float]] = {k: [] for k in depths}
+    accepted, reached = [0] * max_depth, [0] * max_depth
+    for _ in range(2):
+        for k in depths:
+            seconds, cycles, acc_at, reach = decode(prompts, tokens, k)
+            times[k].append(seconds / max(cycles, 1))
+            for j in range(min(len(acc_at), max_depth)):
+                accepted[j] += acc_at[j]
+                reached[j] += reach[j]
+    # Acceptance per position over every MTP decode (position j is reached at
+    # depths > j), Laplace-smoothed: a position seen a few times only is not
+    # taken as certain.
+    acceptance = [(a + 1) / (r + 2) for a, r in zip(accepted, reached)] if len(depths) > 1 else []
+    return DepthCosts(batch=batch, cycle_s={str(k): statistics.median(v) for k, v in times.items()},
+                      acceptance=acceptance)
+
+
+def _machine_key(runtime: Any) -> str:
+    """What the costs depend on: the model's config and size, the machine, the libraries."""
+    from importlib import metadata
+
+    from mlx.utils import tree_flatten
+
+    from mtplx_ext import _blas
+
+    def ver(d: str) -> str:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    size = sum(v.nbytes for _, v in tree_flatten(runtime.parameters()))
+    facts = {
+        "config": getattr(runtime, "config", {}), "bytes": size, "fused": bool(getattr(runtime, "cpu_ops_fused", False)),
+        "machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(),
+        "threads": os.environ.get("MTPLX_CPU_THREADS", ""), "blas": _blas.describe(),
+        "mlx": ver("mlx"), "mtplx-ext": ver("mtplx-ext"), "version": _CACHE_VERSION,
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_dir() -> Path:
+    """Where calibrations are kept: $MTPLX_CACHE_DIR, else $XDG_CACHE_HOME/mtplx_ext, else ~/.cache/mtplx_ext."""
+    if os.environ.get("MTPLX_CACHE_DIR"):
+        return Path(os.environ["MTPLX_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mtplx_ext"
+
+
+_MEMORY: dict[tuple[str, int, int], DepthCosts] = {}
+
+
+def depth_costs(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_AUTO_DEPTH) -> DepthCosts:
+    """The calibration of this model at `batch` on this machine: from memory, the cache folder, or measured now."""
+    key = (_machine_key(runtime), int(batch), int(max_depth))
+    if key in _MEMORY:
+        return _MEMORY[key]
+    file = cache_dir() / "depth" / f"{key[0]}-b{batch}-k{max_depth}.json"
+    costs = None
+    try:
+        costs = DepthCosts(**json.loads(file.read_text()))
+    except (OSError, ValueError, TypeError):
+        costs = None
+    if costs is None:
+        costs = calibrate(runtime, batch, decode, max_depth)
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(asdict(costs)))
+            tmp.replace(file)
+        except OSError:
+            pass  # a read-only home only costs a calibration next time
+    _MEMORY[key] = costs
+    return costs
+
+
+__all__ = [
+    "AUTO", "MAX_AUTO_DEPTH", "DepthCosts", "cache_dir", "calibrate", "calibration_prompts", "choose_depth",
+    "depth_costs", "expected_tokens", "tokens_per_s",
+]
