@@ -183,7 +183,7 @@ def depth_costs(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_A
         costs = calibrate(runtime, batch, decode, max_depth)
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = file.with_suffix(".tmp")
+            tmp = file.with_suffix(f".{os.getpid()}.tmp")  # concurrent writers never share one
             tmp.write_text(json.dumps(asdict(costs)))
             tmp.replace(file)
         except OSError:
