@@ -19,6 +19,7 @@ from mtplx_ext.batching.requests import Request
 from mtplx_ext.cache.rows import RowState
 from mtplx_ext.engine.cycle import Cycle
 from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
+from mtplx_ext.engine.streams import Streams
 
 
 @dataclass
@@ -92,6 +93,22 @@ def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> 
     return Cycle(runtime, policy, cache, head, depth, per_stream=mtp)
 
 
+def batch_streams(reqs: Sequence[Request], vocab: int, depth: int, mtp: bool, stats: Any) -> Streams:
+    """Host bookkeeping of a recomposed batch: each request's caps, stops and what it committed so far.
+
+    A request whose x0 went out at its prefill has its first bundle's x0
+    left out (`Streams.resume`); acceptance is recorded into the engine's
+    totals (`stats`) and each request's own statistics.
+    """
+    st = Streams(len(reqs), vocab, [r.max_tokens for r in reqs], [r.stop_ids for r in reqs], None, depth, mtp, 0)
+    st.resume([len(r.tokens) for r in reqs], [r.x0_committed for r in reqs])
+    for r in reqs:
+        r.x0_committed = False
+    st.result = stats
+    st.row_stats = [r.stats for r in reqs]
+    return st
+
+
 class Batch:
     """Caches, policy and compiled cycle of one (rows, capacity, kind): loaded, run, unloaded.
 
@@ -137,4 +154,4 @@ class Batch:
         return Rows(cache=cache, next=nxt, info=info, counts=counts)
 
 
-__all__ = ["Batch", "Rows", "merge_rows", "one_hot_info", "prefill_cycle"]
+__all__ = ["Batch", "Rows", "batch_streams", "merge_rows", "one_hot_info", "prefill_cycle"]

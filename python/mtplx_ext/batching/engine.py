@@ -19,7 +19,8 @@ import numpy as np
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_seed, as_stop_ids
 from mtplx_ext.batching import admission
-from mtplx_ext.batching.batch import Batch, Rows, merge_rows, prefill_cycle
+from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
+from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request, batch_kind
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.engine import session
@@ -51,6 +52,8 @@ class Engine:
             the runtime's).
         context: most prompt + generated tokens of one request (default:
             the model's `max_position_embeddings`).
+        prefix_cache_bytes: most bytes of prompt KV kept for later prompts
+            that start alike (`prefix_cache.PrefixCache`; 0: off).
 
     Raises:
         ValueError / TypeError: naming a bad argument; a trunk with
@@ -69,6 +72,7 @@ class Engine:
         prefill_chunk: int = 256,
         tokenizer: Any = None,
         context: int | None = None,
+        prefix_cache_bytes: int = 0,
     ):
         self.rt = runtime
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
@@ -92,6 +96,8 @@ class Engine:
             "max_kv_slots", max_kv_slots if max_kv_slots is not None else self.max_batch * admission.capacity(self.context), lo=1
         )
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
+        self.prefix = PrefixCache(as_int("prefix_cache_bytes", prefix_cache_bytes, lo=0))
+        self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
         self._ids = itertools.count()
@@ -243,13 +249,10 @@ class Engine:
         self.counters["submitted"] += 1
 
     def _drop_cancelled(self) -> None:
-        for q in (self._waiting,):
+        for q in (self._waiting, self._ready):
             for r in [r for r in q if r.cancelled]:
                 q.remove(r)
                 self._finish(r, "cancelled")
-        for r in [r for r in self._ready if r.cancelled]:
-            self._ready.remove(r)
-            self._finish(r, "cancelled")
         for r in self._live:
             if r.cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
@@ -286,13 +289,20 @@ class Engine:
                     return
 
     def _start_prefill(self, r: Request) -> None:
-        cyc = prefill_cycle(self.rt, r, admission.capacity(r.need), self.depth, self.mtp)
-        r.prefill = (cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk), cyc)
+        cap = admission.capacity(r.need)
+        cyc = prefill_cycle(self.rt, r, cap, self.depth, self.mtp)
+        entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)
+        if entry is not None:
+            self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
+        steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
+        r.prefill = (steps, cyc)
 
     def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
         r.prefill = None
+        if self._prefix_ok:  # the prompt's positions and the pair of its last one with x0
+            self.prefix.store(r.prompt + [int(np.array(tokens)[0, 0])], cyc.caches())
         r.row = Rows.prefilled(cyc, tokens, info)
-        self.counters["prefill_tokens"] += len(r.prompt) % self.prefill_chunk or self.prefill_chunk
+        self.counters["prefill_tokens"] += (len(r.prompt) - r.prefill_from) % self.prefill_chunk or self.prefill_chunk
         # The stream's own step count: its first verification (or plain pick) is
         # step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
@@ -322,6 +332,10 @@ class Engine:
             keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
             new = [r for r in self._ready if r.finish_reason is None]
         self._ready = []
+        if self._prefix_ok and self._batch is not None:  # finished replies, for the next turn's prompt
+            for i, r in enumerate(self._live):
+                if r.finish_reason in ("stop", "length"):
+                    self.prefix.store(r.prompt + r.tokens, self._batch.caches(), i)
         reqs = [self._live[i] for i in keep] + new
         old = self._batch.unload(self._next, self._info) if self._batch is not None else None
         self._batch = None
@@ -348,14 +362,7 @@ class Engine:
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
-        st = Streams(B, self.vocab, [r.max_tokens for r in reqs], [r.stop_ids for r in reqs], None,
-                     self.depth if self.mtp else 0, self.mtp, 0)
-        st.resume([len(r.tokens) for r in reqs], [r.x0_committed for r in reqs])
-        for r in reqs:
-            r.x0_committed = False
-        st.result = self.stats
-        st.row_stats = [r.stats for r in reqs]
-        self._streams = st
+        self._streams = batch_streams(reqs, self.vocab, self.depth if self.mtp else 0, self.mtp, self.stats)
 
     #: Launch each cycle before reading the one before it (off: one cycle at a
     #: time, for side-by-side measurements; the tokens are the same).
@@ -452,20 +459,12 @@ class Engine:
             self._finish(r, reason)
 
     def _finish(self, r: Request, reason: str) -> None:
-        if r.finish_reason is not None:
-            return
-        r.finish_reason = reason
-        self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
-        r.emit(Event("done", finish_reason=reason))
+        if r.finish(reason):
+            self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
 
     def _fail(self, r: Request, e: BaseException) -> None:
-        if r.done:
-            return
-        r.finish_reason = "error"
-        r.error = str(e) or type(e).__name__
-        r.prefill = r.row = None
-        self.counters["failed"] += 1
-        r.emit(Event("error", error=r.error))
+        if r.fail(str(e) or type(e).__name__):
+            self.counters["failed"] += 1
 
     def fail_all(self, why: str) -> None:
         """Ends every open request with an error event (engine thread)."""
@@ -492,6 +491,7 @@ class Engine:
             "acceptance": s.acceptance_rate,
             "acceptance_per_depth": s.acceptance_per_depth,
             "mean_accepted_length": s.mean_accepted_length,
+            **self.prefix.metrics(),
         }
 
 

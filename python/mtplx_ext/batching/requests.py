@@ -90,6 +90,7 @@ class Request:
         self.detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
         self.need = 0  # KV slots this request may use
         self.prefill: Any = None  # (generator, Cycle) while prefilling
+        self.prefill_from = 0  # prompt positions loaded from the prefix cache
         self.row: Any = None  # its device rows once prefilled, until merged
         self.step_off = 0  # cycle the stream's own step count starts from
         # MTP: x0 was committed at the prefill; the first bundle repeats it.
@@ -147,6 +148,23 @@ class Request:
     @property
     def acceptance(self) -> float:
         return self.stats.acceptance_rate
+
+    def finish(self, reason: str) -> bool:
+        """Ends the request with a "done" event (engine thread); False if it had already ended."""
+        if self.finish_reason is not None:
+            return False
+        self.finish_reason = reason
+        self.emit(Event("done", finish_reason=reason))
+        return True
+
+    def fail(self, message: str) -> bool:
+        """Ends the request with an "error" event and drops its device state; False if it had ended."""
+        if self.done:
+            return False
+        self.finish_reason, self.error = "error", message
+        self.prefill = self.row = None
+        self.emit(Event("error", error=message))
+        return True
 
     def emit(self, ev: Event) -> None:
         """Delivers an event (engine thread): queue, callback, and the end stamp."""

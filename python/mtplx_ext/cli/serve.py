@@ -23,6 +23,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding (the baseline)")
     s.add_argument("--max-kv-slots", type=positive("--max-kv-slots"), help="most KV slots of the running batch")
     s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=256)
+    s.add_argument("--prefix-cache-mb", type=int, default=256,
+                   help="MiB of prompt KV kept for later prompts that start alike (0: off)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
     s.set_defaults(func=run)
 
@@ -31,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     """`mtplx-ext serve`: loads the model and serves it until SIGINT / SIGTERM."""
     from mtplx_ext.serve import serve  # noqa: PLC0415  (starlette, uvicorn: the serve extra)
 
+    if args.prefix_cache_mb < 0:
+        raise CLIError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
     rt = common.load_model(args.model, need_mtp=not args.no_mtp)
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve(rt, folder, host=args.host, port=args.port, max_batch=args.max_batch, depth=args.depth,
               use_mtp=not args.no_mtp, api_key=args.api_key, max_kv_slots=args.max_kv_slots,
-              prefill_chunk=args.prefill_chunk)
+              prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mb << 20)
     except ValueError as e:
         raise CLIError(str(e)) from e
     return 0

@@ -142,15 +142,22 @@ class Cycle:
             except StopIteration as done:
                 return done.value
 
-    def prefill_steps(self, padded: mx.array, chunk: int = PREFILL_STEP) -> Generator[None, None, tuple[mx.array, Any]]:
+    def prefill_steps(
+        self, padded: mx.array, chunk: int = PREFILL_STEP, start: int = 0
+    ) -> Generator[None, None, tuple[mx.array, Any]]:
         """`prefill` one chunk of `chunk` prompt tokens per step: yields between chunks.
 
         A scheduler runs decode cycles of other streams between the steps, so
         a long prompt never stalls them for its whole prefill. The generator's
-        return value is `prefill`'s.
+        return value is `prefill`'s. With `start` > 0 the caches already hold
+        positions 0..start - 1 (the trunk's KV, and the head's pairs up to
+        hidden at start - 1: a prefix cache's entry), and the forward resumes
+        at `start` (< the prompt's length).
         """
         T = padded.shape[1]
-        starts = list(range(0, T, chunk))
+        if not 0 <= start < T:
+            raise ValueError(f"prefill start must be in [0, {T}), got {start}")
+        starts = list(range(start, T, chunk))
         for s in starts:
             logits, hidden = self.rt.forward(padded[:, s : s + chunk], self.cache, last_logits_only=True)
             # The head consumes (hidden at t, token t + 1); the last chunk's

@@ -61,12 +61,13 @@ def serve(
     max_kv_slots: int | None = None,
     prefill_chunk: int = 256,
     log_level: str = "warning",
+    prefix_cache_bytes: int = 256 << 20,
 ) -> None:
     """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call."""
     import uvicorn  # noqa: PLC0415
 
     engine = Engine(runtime, max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                    prefill_chunk=prefill_chunk)
+                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
     api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
               eos_ids(getattr(runtime, "tokenizer", None)))
     engine.start()
