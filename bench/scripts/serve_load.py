@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--depth", default="auto", help="the MTP server's --depth (default auto, as mtplx-ext serve)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=str(SHIPPED_MODEL), help="model folder (default: the shipped model)")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's own server on the same folder")
