@@ -1,0 +1,25 @@
+"""The API's errors: what a client did wrong is a 400 naming the field, never a 500.
+
+Every handler raises `BadRequest` before anything reaches the engine; the
+routes turn it into OpenAI's error JSON with `error_response`.
+"""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+
+
+class BadRequest(Exception):
+    """A request the API refuses with status 400 (never reaches the engine)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+    """OpenAI-style error JSON."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+__all__ = ["BadRequest", "error_response"]

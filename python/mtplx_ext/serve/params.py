@@ -1,0 +1,117 @@
+"""Request fields -> engine arguments: the sampler, token budget, stops, seed and the prompt.
+
+Each check names the request field it refuses (`BadRequest.param`), so a
+client sees which of its fields is wrong; nothing here touches MLX.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mtplx_ext.sampling import SamplerConfig
+from mtplx_ext.serve.errors import BadRequest
+
+#: OpenAI's defaults: completions generate 16 tokens unless told.
+DEFAULT_MAX_TOKENS = {"completion": 16, "chat": 256}
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def number(body: dict, name: str) -> float | None:
+    """`body[name]` as a float, None when absent; a 400 naming `name` when it is not a number."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {type(v).__name__}", name)
+    return float(v)
+
+
+def integer(body: dict, name: str) -> int | None:
+    """`body[name]` as an int, None when absent; a 400 naming `name` when it is not an integer."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadRequest(f"{name} must be an integer, got {type(v).__name__}", name)
+    return v
+
+
+def submit_args(body: dict, kind: str, eos_ids: tuple[int, ...]) -> dict[str, Any]:
+    """The keyword arguments of `Engine.submit` for a completion (`kind="completion"`) or chat body."""
+    floats = {k: number(body, k) for k in FLOAT_FIELDS}
+    top_k = integer(body, "top_k")
+    cfg = {k: v for k, v in floats.items() if v is not None}
+    if top_k is not None:
+        if top_k < 0 and top_k != -1:
+            raise BadRequest("top_k must be >= 0 (or -1 for off)", "top_k")
+        cfg["top_k"] = max(top_k, 0)
+    cfg.setdefault("temperature", 1.0)
+    try:
+        sampler = SamplerConfig(**cfg)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e)) from None
+    max_tokens = integer(body, "max_completion_tokens") if kind == "chat" else None
+    if max_tokens is None:
+        max_tokens = integer(body, "max_tokens")
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS[kind]
+    if max_tokens < 1:
+        raise BadRequest("max_tokens must be >= 1", "max_tokens")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+        raise BadRequest("stop must be a non-empty string or a list of up to 4 of them", "stop")
+    seed = integer(body, "seed")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise BadRequest("seed must be in [0, 2**64)", "seed")
+    return dict(max_tokens=max_tokens, sampler=sampler, stop=stop, seed=seed, stop_token_ids=eos_ids)
+
+
+def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
+    """The token ids of a completion body's `prompt` (a string, a one-string list, or token ids)."""
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if isinstance(p, str):
+        if not p:
+            raise BadRequest("prompt is empty", "prompt")
+        return tokenizer.encode(p).ids
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        return p
+    raise BadRequest("prompt must be a non-empty string or a list of token ids", "prompt")
+
+
+def chat_messages(body: dict) -> list[dict[str, Any]]:
+    """A chat body's `messages`, checked, with text content parts joined into one string."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    clean = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
+        c = m.get("content")
+        if isinstance(c, list):  # content parts: text only
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
+                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
+            c = "".join(x["text"] for x in c)
+        if not isinstance(c, str):
+            raise BadRequest(f"messages[{i}].content must be a string", "messages")
+        clean.append({"role": m["role"], "content": c})
+    return clean
+
+
+def chat_prompt(body: dict, tokenizer: Any, chat_tokenizer: Any) -> list[int]:
+    """The token ids of a chat body: its messages through the model's chat template."""
+    clean = chat_messages(body)
+    if chat_tokenizer is None:
+        raise BadRequest("this model has no chat template; use /v1/completions", "messages")
+    text = chat_tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text).ids
+
+
+__all__ = ["DEFAULT_MAX_TOKENS", "FLOAT_FIELDS", "chat_messages", "chat_prompt", "completion_prompt", "integer",
+           "number", "submit_args"]
