@@ -2,12 +2,14 @@
 // Linux and forwards them to an OpenBLAS whose symbols carry a prefix (the
 // scipy-openblas32 wheel exports scipy_cblas_sgemm, ...).
 //
-// Decode-sized float32 products x @ W^T (a few rows of x against a weight
-// matrix, the Linear layers of a decode or verification step) run in a small
-// kernel here instead: OpenBLAS packs the whole weight matrix on every call,
-// which costs more than the product itself below about 8 rows (measured: a
-// [1, 192] x [192, 2048] product takes 95 us in OpenBLAS's sgemm, most of it
-// packing).
+// Decode-sized float32 products x @ W^T (up to 64 rows of x against a weight
+// matrix, the Linear layers of a decode or verification step) run in the
+// decode GEMM here instead (decode_gemm.h): OpenBLAS packs the whole weight
+// matrix on every call, which costs more than the product itself at a few
+// rows, and it reads W once per call whatever the row count. Large weights
+// split their columns between the calling thread and one worker thread of
+// this library. The older small-row kernel (small_gemm.h, at most 8 rows, one
+// thread) stays selectable for comparisons.
 //
 // Loaded with RTLD_GLOBAL before libmlx, its definitions come first in the
 // global symbol scope, so libmlx's calls bind here instead of to the
@@ -23,7 +25,9 @@
 #include <cstring>
 #include <string>
 
+#include "decode_gemm.h"
 #include "small_gemm.h"
+#include "split_worker.h"
 
 namespace {
 
@@ -52,7 +56,14 @@ void* g_handle = nullptr;
 std::atomic<long long> g_calls{0};
 // Counts products the small kernel computed (the tests' proof it is used).
 std::atomic<long long> g_small_calls{0};
-std::atomic<int> g_small_rows{mtplx::kSmallGemmMaxRows};
+// Counts decode-GEMM products whose columns were split over two threads.
+std::atomic<long long> g_split_calls{0};
+std::atomic<int> g_small_rows{mtplx::kDecodeGemmMaxRows};
+// 0: the decode GEMM; 1: the older small-row kernel (<= 8 rows).
+std::atomic<int> g_kernel{0};
+// Bytes of W from which the decode GEMM splits its columns over two threads
+// (below it one thread is faster: the hand-off costs more than it saves).
+std::atomic<long long> g_split_bytes{1LL << 20};
 char g_error[512] = "";
 
 void* sym(const std::string& prefix, const char* name) {
@@ -111,11 +122,30 @@ __attribute__((visibility("default"))) long long mtplx_blas_small_calls() {
   return g_small_calls.load(std::memory_order_relaxed);
 }
 
-// Most rows the small kernel takes (0: every product goes to OpenBLAS);
-// clamped to [0, kSmallGemmMaxRows]. Returns the previous value.
+__attribute__((visibility("default"))) long long mtplx_blas_split_calls() {
+  return g_split_calls.load(std::memory_order_relaxed);
+}
+
+// Most rows the shim's own kernels take (0: every product goes to OpenBLAS);
+// clamped to [0, kDecodeGemmMaxRows]. Returns the previous value.
 __attribute__((visibility("default"))) int mtplx_blas_set_small_rows(int n) {
-  n = n < 0 ? 0 : (n > mtplx::kSmallGemmMaxRows ? mtplx::kSmallGemmMaxRows : n);
+  n = n < 0 ? 0 : (n > mtplx::kDecodeGemmMaxRows ? mtplx::kDecodeGemmMaxRows : n);
   return g_small_rows.exchange(n, std::memory_order_relaxed);
+}
+
+// 0: the decode GEMM, 1: the older small-row kernel (which takes at most
+// kSmallGemmMaxRows rows; more go to OpenBLAS). Returns the previous value,
+// or -1 (and no change) for any other value.
+__attribute__((visibility("default"))) int mtplx_blas_set_kernel(int kernel) {
+  if (kernel != 0 && kernel != 1) return -1;
+  return g_kernel.exchange(kernel, std::memory_order_relaxed);
+}
+
+// Bytes of W (N * K * 4) from which the decode GEMM uses two threads; a
+// negative value never splits. Returns the previous value.
+__attribute__((visibility("default"))) long long mtplx_blas_set_split_bytes(
+    long long bytes) {
+  return g_split_bytes.exchange(bytes, std::memory_order_relaxed);
 }
 
 __attribute__((visibility("default"))) int mtplx_blas_set_threads(int n) {
@@ -139,9 +169,22 @@ __attribute__((visibility("default"))) void cblas_sgemm(
   g_calls.fetch_add(1, std::memory_order_relaxed);
   if (mtplx::small_gemm_applies(
           order, ta, tb, m, n, k, g_small_rows.load(std::memory_order_relaxed))) {
-    g_small_calls.fetch_add(1, std::memory_order_relaxed);
-    mtplx::small_gemm_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    return;
+    if (g_kernel.load(std::memory_order_relaxed) == 0) {
+      g_small_calls.fetch_add(1, std::memory_order_relaxed);
+      const long long split = g_split_bytes.load(std::memory_order_relaxed);
+      if (split >= 0 && int64_t(n) * k * 4 >= split &&
+          mtplx::split_columns(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)) {
+        g_split_calls.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        mtplx::decode_gemm_columns(m, 0, n, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      }
+      return;
+    }
+    if (m <= mtplx::kSmallGemmMaxRows) {
+      g_small_calls.fetch_add(1, std::memory_order_relaxed);
+      mtplx::small_gemm_nt(m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return;
+    }
   }
   g_sgemm(order, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }

@@ -6,10 +6,12 @@ library (``libmtplx_blas_shim.so``, built with the package) that exports the
 ``cblas_sgemm`` / ``cblas_dgemm`` / ``cblas_cgemm`` symbols libmlx imports and
 forwards them to OpenBLAS from the ``scipy-openblas32`` wheel (whose own
 symbols carry a ``scipy_`` prefix, so they never clash with anything).
-Decode-sized float32 products ``x @ W.T`` with at most 8 rows of x run in
-the shim's own AVX2 + FMA kernel instead (where the CPU has both): OpenBLAS
-packs the whole weight matrix on every call, which costs 2-4x the product
-itself at these sizes.
+Decode-sized float32 products ``x @ W.T`` with at most 64 rows of x run in
+the shim's own decode GEMM instead (AVX-512 or AVX2 + FMA, where the CPU has
+them): OpenBLAS packs the whole weight matrix on every call, which costs more
+than the product itself at a few rows, while the decode GEMM reads W once per
+call whatever the row count and splits large W's columns over two threads.
+Each row's result is independent of the other rows of the call.
 
 The shim must be in the process's global symbol scope *before* libmlx is
 loaded, i.e. before ``mlx.core`` is first imported: ``import mtplx_ext`` does
@@ -36,7 +38,21 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BlasStatus", "load", "status", "gemm_calls", "small_gemm_calls", "set_small_gemm_rows", "describe"]
+__all__ = [
+    "BlasStatus",
+    "load",
+    "status",
+    "gemm_calls",
+    "small_gemm_calls",
+    "split_gemm_calls",
+    "set_small_gemm_rows",
+    "set_gemm_kernel",
+    "set_gemm_split_bytes",
+    "describe",
+]
+
+#: Kernels the shim can run decode-sized products in (`set_gemm_kernel`).
+GEMM_KERNELS = ("decode", "small")
 
 SHIM_NAME = "libmtplx_blas_shim.so"
 _MAX_DEFAULT_THREADS = 8
@@ -176,6 +192,11 @@ def load() -> BlasStatus:
     shim.mtplx_blas_small_calls.restype = ctypes.c_longlong
     shim.mtplx_blas_set_small_rows.argtypes = [ctypes.c_int]
     shim.mtplx_blas_set_small_rows.restype = ctypes.c_int
+    shim.mtplx_blas_split_calls.restype = ctypes.c_longlong
+    shim.mtplx_blas_set_kernel.argtypes = [ctypes.c_int]
+    shim.mtplx_blas_set_kernel.restype = ctypes.c_int
+    shim.mtplx_blas_set_split_bytes.argtypes = [ctypes.c_longlong]
+    shim.mtplx_blas_set_split_bytes.restype = ctypes.c_longlong
     if shim.mtplx_blas_bind(str(openblas).encode(), b"scipy_") != 0:
         # The shim is global now but unbound: any GEMM through it would abort,
         # so this is an error, not a fallback.
@@ -220,24 +241,66 @@ def gemm_calls() -> int:
 
 
 def small_gemm_calls() -> int:
-    """Products the shim's own small-row kernel computed (-1 without the shim).
+    """Products the shim's own kernels computed (-1 without the shim).
 
-    Decode-sized float32 products x @ W.T with at most a few rows of x skip
-    OpenBLAS, which packs the whole weight matrix on every call.
+    Decode-sized float32 products x @ W.T with at most a few dozen rows of x
+    skip OpenBLAS, which packs the whole weight matrix on every call.
     """
     return int(_shim.mtplx_blas_small_calls()) if _shim is not None else -1
 
 
-def set_small_gemm_rows(rows: int) -> int:
-    """Most rows of x the small kernel takes (0 sends everything to OpenBLAS).
+def split_gemm_calls() -> int:
+    """Decode-GEMM products whose columns ran on two threads (-1 without the shim)."""
+    return int(_shim.mtplx_blas_split_calls()) if _shim is not None else -1
 
-    For benchmarks and tests that compare both paths in one process; the
-    default is the kernel's own limit. Returns the previous limit (-1 and no
-    effect without the shim).
+
+def set_small_gemm_rows(rows: int) -> int:
+    """Most rows of x the shim's kernels take (0 sends everything to OpenBLAS).
+
+    For benchmarks and tests that compare paths in one process; the default
+    (and the most, larger values are clamped) is 64. Returns the previous
+    limit (-1 and no effect without the shim).
     """
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0, got {rows!r}")
     return int(_shim.mtplx_blas_set_small_rows(rows)) if _shim is not None else -1
+
+
+def set_gemm_kernel(kernel: str) -> str:
+    """Which shim kernel takes decode-sized products; returns the previous one.
+
+    ``"decode"`` (the default): the decode GEMM, up to 64 rows, two threads
+    on large weights. ``"small"``: the older one-thread small-row kernel,
+    which takes at most 8 rows (more go to OpenBLAS); kept for comparisons.
+    Returns ``""`` (no effect) without the shim.
+
+    Raises:
+        ValueError: a kernel not in `GEMM_KERNELS`.
+    """
+    if kernel not in GEMM_KERNELS:
+        raise ValueError(f"kernel must be one of {GEMM_KERNELS}, got {kernel!r}")
+    if _shim is None:
+        return ""
+    return GEMM_KERNELS[int(_shim.mtplx_blas_set_kernel(GEMM_KERNELS.index(kernel)))]
+
+
+def set_gemm_split_bytes(nbytes: int | None) -> int | None:
+    """Weight size (bytes of W) from which the decode GEMM uses two threads.
+
+    The columns of W are split between the calling thread and one worker
+    thread of the shim; below the threshold the hand-off costs more than the
+    second core saves. None never splits. Returns the previous threshold
+    (None also when the shim is not loaded, and then nothing changes).
+
+    Raises:
+        ValueError: not None and not an int >= 0.
+    """
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+        raise ValueError(f"nbytes must be None or an int >= 0, got {nbytes!r}")
+    if _shim is None:
+        return None
+    prev = int(_shim.mtplx_blas_set_split_bytes(-1 if nbytes is None else nbytes))
+    return None if prev < 0 else prev
 
 
 def describe() -> str:

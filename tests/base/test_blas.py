@@ -176,8 +176,9 @@ def test_bad_thread_count_is_rejected_naming_the_variable():
     assert "MTPLX_BLAS_THREADS" in p.stderr
 
 
-# Decode-sized products x @ W.T through the shim's small-row kernel, against
-# float64 and against OpenBLAS in the same process (the kernel switched off).
+# Decode-sized products x @ W.T through the shim's older small-row kernel
+# (still selectable), against float64 and against OpenBLAS in the same
+# process (the kernel switched off).
 _SMALL = textwrap.dedent(
     """
     import json, sys
@@ -191,6 +192,7 @@ _SMALL = textwrap.dedent(
     if not _blas.status().active:
         print(json.dumps({"active": False, "reason": _blas.status().reason}))
         sys.exit(0)
+    assert _blas.set_gemm_kernel("small") == "decode"  # the default
 
     def poison(nbytes):
         # NaN bit patterns in freed buffers: a product with beta = 0 that read
@@ -285,3 +287,120 @@ def test_the_shim_is_found_next_to_the_built_extension_when_not_next_to_the_sour
     # Neither next to the sources nor next to the extension: none.
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert _blas.shim_path() is None
+
+
+# The decode GEMM (the default for 1..64 rows): fresh random shapes against
+# float64, each row's bits alone and in the call, one thread against two,
+# alpha / beta, and which products it takes.
+_DECODE = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import mtplx_ext
+    from mtplx_ext import _blas
+    import mlx.core as mx
+
+    seed, out = int(sys.argv[1]), sys.argv[2]
+    rng = np.random.default_rng(seed)
+    if not _blas.status().active:
+        print(json.dumps({"active": False, "reason": _blas.status().reason}))
+        sys.exit(0)
+    default_split = _blas.set_gemm_split_bytes(None)
+
+    def poison(nbytes):
+        junk = [mx.full((nbytes // 4 + 1,), 0x7FC00000, dtype=mx.int32) for _ in range(4)]
+        mx.eval(junk)
+
+    def product(xs, ws, split):
+        _blas.set_gemm_split_bytes(split)
+        poison(xs.shape[0] * ws.shape[0] * 4)
+        y = xs @ ws.T
+        mx.eval(y)
+        return np.array(y)
+
+    cases, res = [], {}
+    rows = [1, 64, 65] + [int(m) for m in rng.integers(2, 64, size=13)]
+    for i, m in enumerate(rows):
+        # Odd sizes: K tails below one vector, N tails below one tile, and
+        # weights spanning several column blocks and thread chunks.
+        n = int(rng.choice([1, 5, 23, 25, 97, 301, 1000]))
+        k = int(rng.choice([1, 7, 15, 17, 33, 190, 577]))
+        if i == 0:  # a 2.3 MB weight: split over threads when allowed
+            n, k = 1000, 577
+        x = rng.standard_normal((m, k)).astype(np.float32) * rng.choice([1e-3, 1.0, 1e3])
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        pad = int(rng.integers(0, 3))  # strided rows of x
+        xs = mx.array(np.pad(x, ((0, 0), (0, pad))))[:, :k]
+        ws = mx.array(w)
+        small0, split0 = _blas.small_gemm_calls(), _blas.split_gemm_calls()
+        one = product(xs, ws, None)
+        small1 = _blas.small_gemm_calls()
+        two = product(xs, ws, 0)
+        split1 = _blas.split_gemm_calls()
+        # Rows alone, and a random subset of rows, each in its own call.
+        _blas.set_gemm_split_bytes(0)
+        alone = np.concatenate([product(xs[r : r + 1], ws, 0) for r in range(m)], axis=0)
+        lo, hi = sorted(int(v) for v in rng.integers(0, m + 1, size=2))
+        part = product(xs[lo : max(hi, lo + 1)], ws, 0)
+        alpha, beta = (float(v) for v in rng.uniform(-2, 2, size=2))
+        c = rng.standard_normal((m, n)).astype(np.float32)
+        mm = mx.addmm(mx.array(c), xs, ws.T, alpha=alpha, beta=beta)
+        res.update({f"x{i}": x, f"w{i}": w, f"c{i}": c, f"one{i}": one, f"two{i}": two,
+                    f"alone{i}": alone, f"part{i}": part, f"mm{i}": np.array(mm)})
+        cases.append({"m": m, "n": n, "k": k, "lo": lo, "alpha": alpha, "beta": beta,
+                      "small": int(small1 - small0), "split": int(split1 - split0)})
+    _blas.set_gemm_split_bytes(default_split)
+    np.savez(out, **res)
+    print(json.dumps({"active": True, "cases": cases, "default_split": default_split}))
+    """
+)
+
+
+def test_decode_gemm_matches_float64_and_rows_and_threads_do_not_change_its_bits(tmp_path):
+    seed = int(np.random.default_rng().integers(1 << 31))
+    print(f"random seed {seed}")
+    out = tmp_path / "decode.npz"
+    p = _run(_DECODE, str(seed), str(out))
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    if not info["active"]:
+        pytest.skip(f"OpenBLAS route unavailable here: {info['reason']}")
+    assert info["default_split"] is not None and info["default_split"] > 0
+    r = dict(np.load(out))
+    eps32 = float(np.finfo(np.float32).eps)
+    cpu = open("/proc/cpuinfo").read()
+    has_fma = "avx2" in cpu and " fma" in cpu
+    for i, case in enumerate(info["cases"]):
+        x, w, c, m = r[f"x{i}"], r[f"w{i}"], r[f"c{i}"], case["m"]
+        what = f"case {case}"
+        takes = has_fma and m <= 64 and case["n"] * case["k"] > 1
+        assert case["small"] == int(takes), what
+        for key in ("one", "two", "alone"):
+            assert _within_gemm_error(r[f"{key}{i}"], x, w.T, eps32), (key, what)
+        if takes:
+            # Bit for bit: one thread or two, a row alone or among any rows.
+            np.testing.assert_array_equal(r[f"two{i}"], r[f"one{i}"], err_msg=what)
+            np.testing.assert_array_equal(r[f"alone{i}"], r[f"one{i}"], err_msg=what)
+            lo = case["lo"]
+            np.testing.assert_array_equal(r[f"part{i}"], r[f"one{i}"][lo : lo + len(r[f"part{i}"])], err_msg=what)
+            # One split product at most (with the threshold at 0), and none
+            # narrower than one tile of columns.
+            assert case["split"] <= (case["n"] >= 24), what
+        a, b = case["alpha"], case["beta"]
+        exact = b * c.astype(np.float64) + a * (x.astype(np.float64) @ w.T.astype(np.float64))
+        bound = 2 * (x.shape[1] + 2) * eps32 * (abs(b) * np.abs(c) + abs(a) * (np.abs(x).astype(np.float64) @ np.abs(w).T))
+        assert np.all(np.abs(r[f"mm{i}"] - exact) <= bound + 1e-30), what
+    assert info["cases"][0]["split"] == int(has_fma)  # the large weight did use two threads
+
+
+def test_gemm_knobs_reject_bad_values_naming_the_argument():
+    from mtplx_ext import _blas
+
+    with pytest.raises(ValueError, match="kernel"):
+        _blas.set_gemm_kernel("fastest")
+    with pytest.raises(ValueError, match="nbytes"):
+        _blas.set_gemm_split_bytes(-1)
+    with pytest.raises(ValueError, match="nbytes"):
+        _blas.set_gemm_split_bytes(True)
+    with pytest.raises(ValueError, match="rows"):
+        _blas.set_small_gemm_rows(-3)
