@@ -6,7 +6,10 @@
 // B is streamed from memory once per call whatever M is, with no packing:
 // the columns are cut into blocks of about 256 KiB of B, and every row tile
 // of A runs against a block while it sits in L2 (A itself, a few rows of
-// activations, stays cache-resident). Within a block a tile of R rows of A x
+// activations, stays cache-resident) while software prefetches bring in the
+// next block. The rows are cut into as few tiles as the registers allow, of
+// even sizes (8 rows: two tiles of 4, not 6 + 2), since every tile reads the
+// block from L2 once more. Within a block a tile of R rows of A x
 // C rows of B keeps R * C vector accumulators in registers, so each load of
 // B feeds R FMAs and each load of A feeds C.
 //
@@ -18,7 +21,7 @@
 // and one worker, see blas_shim.cpp), which lets a step read its weights at
 // more than one core's read rate.
 //
-// x86-64 only: AVX-512F where the CPU has it (up to 6 x 4 tiles of 16 lanes
+// x86-64 only: AVX-512F where the CPU has it (up to 6 x 4 or 4 x 6 tiles of 16 lanes
 // in 32 registers, decode_gemm_avx512.cpp), else AVX2 + FMA (up to 4 x 2
 // tiles of 8 lanes in 16 registers, decode_gemm_avx2.cpp). Each file is
 // compiled for its own instruction set; this header only dispatches.

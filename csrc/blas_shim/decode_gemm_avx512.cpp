@@ -10,7 +10,9 @@ struct Avx512 {
   static constexpr int kLanes = 16;
   static constexpr int kMaxRows = 6;
   // R * C accumulators + C loads of B + one of A within 32 registers.
-  static constexpr int cols(int r) { return r <= 2 ? 8 : (r <= 4 ? 6 : 4); }
+  static constexpr int cols(int r) {
+    return r <= 2 ? 8 : (r <= 4 ? 6 : (r <= 6 ? 4 : 3));
+  }
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }

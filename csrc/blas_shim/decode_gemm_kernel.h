@@ -16,9 +16,24 @@ namespace mtplx::decode_detail {
 // Bytes of B per column block: well inside one core's L2 next to A.
 constexpr int64_t kBlockBytes = 256 * 1024;
 
+// A software prefetch stream over the next column block of B, advanced a
+// few cache lines per vector step of the current block's tiles: the next
+// block arrives from memory while this one is computed from L2.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+
+  inline void step() {
+    for (int q = 0; q < per_step && p < end; ++q, p += 64) {
+      __builtin_prefetch(p, 0, 2);
+    }
+  }
+};
+
 // Rows [i0, i0 + R) x columns [n, n + C): full-K dot products, stored.
 template <class T, int R, int C>
-inline void tile(const Args& g, int i0, int n) {
+inline void tile(const Args& g, int i0, int n, Prefetch& pf) {
   using V = typename T::V;
   constexpr int L = T::kLanes;
   const float* a = g.a + i0 * g.lda;
@@ -31,6 +46,7 @@ inline void tile(const Args& g, int i0, int n) {
   }
   int k = 0;
   for (; k + L <= g.K; k += L) {
+    pf.step();
     V w[C];
 #pragma GCC unroll 8
     for (int j = 0; j < C; ++j) w[j] = T::load(b + j * g.ldb + k);
@@ -66,15 +82,34 @@ inline void tile(const Args& g, int i0, int n) {
 
 // Rows [i0, i0 + R) against columns [n0, n1).
 template <class T, int R>
-inline void row_tile(const Args& g, int i0, int n0, int n1) {
+inline void row_tile(const Args& g, int i0, int n0, int n1, Prefetch& pf) {
   constexpr int C = T::cols(R);
   int n = n0;
-  for (; n + C <= n1; n += C) tile<T, R, C>(g, i0, n);
-  for (; n < n1; ++n) tile<T, R, 1>(g, i0, n);
+  for (; n + C <= n1; n += C) tile<T, R, C>(g, i0, n, pf);
+  for (; n < n1; ++n) tile<T, R, 1>(g, i0, n, pf);
+}
+
+// Rows [i0, i0 + r) against columns [n0, n1), for a run-time r <= kMaxRows.
+template <class T, int R = T::kMaxRows>
+inline void row_tile_of(
+    const Args& g,
+    int r,
+    int i0,
+    int n0,
+    int n1,
+    Prefetch& pf) {
+  if constexpr (R >= 1) {
+    if (r == R) {
+      row_tile<T, R>(g, i0, n0, n1, pf);
+    } else {
+      row_tile_of<T, R - 1>(g, r, i0, n0, n1, pf);
+    }
+  }
 }
 
 // Columns [n0, n1) for rows [0, M): block by block, each block against every
-// row tile (kMaxRows rows at a time, then one tile of the rest).
+// row tile. The rows are cut into as few tiles as kMaxRows allows, of sizes
+// as even as possible: each tile reads the block once more from L2.
 template <class T>
 inline void columns(const Args& g, int M, int n0, int n1) {
   constexpr int R = T::kMaxRows;
@@ -83,17 +118,25 @@ inline void columns(const Args& g, int M, int n0, int n1) {
   block = block < kDecodeSplitAlign
       ? kDecodeSplitAlign
       : block / kDecodeSplitAlign * kDecodeSplitAlign;
+  const int tiles = (M + R - 1) / R;
+  const int rows = M / tiles, extra = M % tiles;  // `extra` tiles get one more
+  // Vector steps per block (about): row tiles x column tiles x K steps.
+  const int64_t steps = int64_t(tiles) *
+      ((block + T::cols(rows) - 1) / T::cols(rows)) * (g.K / T::kLanes + 1);
+  Prefetch pf;
   for (int b0 = n0; b0 < n1; b0 += int(block)) {
     const int b1 = b0 + block < n1 ? b0 + int(block) : n1;
-    int i = 0;
-    for (; i + R <= M; i += R) row_tile<T, R>(g, i, b0, b1);
-    switch (M - i) {
-      case 1: row_tile<T, 1>(g, i, b0, b1); break;
-      case 2: row_tile<T, 2>(g, i, b0, b1); break;
-      case 3: row_tile<T, 3>(g, i, b0, b1); break;
-      case 4: if constexpr (R > 4) row_tile<T, 4>(g, i, b0, b1); break;
-      case 5: if constexpr (R > 5) row_tile<T, 5>(g, i, b0, b1); break;
-      default: break;
+    const int b2 = b1 + block < n1 ? b1 + int(block) : n1;
+    // One or two rows only stream B: nothing to overlap the next block with.
+    if (M > 2) {
+      pf.p = reinterpret_cast<const char*>(g.b + int64_t(b1) * g.ldb);
+      pf.end = reinterpret_cast<const char*>(g.b + int64_t(b2) * g.ldb);
+      pf.per_step = int(((pf.end - pf.p) / 64 + steps - 1) / steps);
+    }
+    for (int t = 0, i = 0; t < tiles; ++t) {
+      const int r = rows + (t < extra);
+      row_tile_of<T>(g, r, i, b0, b1, pf);
+      i += r;
     }
   }
 }
