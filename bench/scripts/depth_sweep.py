@@ -15,8 +15,12 @@ MTP can beat plain decoding by at most
 "x bound" says how much of that the engine keeps (the rest: the first
 head call's extra positions, rollbacks, the host's bookkeeping).
 
-Run: python bench/scripts/depth_sweep.py [--batch 1,8] [--depth 1,2,3,4,5] [--tokens 128]
-     [--prompts 8] [--repeats 3] [--json out.json]
+--gemm routes the decode-sized products: the decode GEMM (default), the
+older small-row kernel (at most 8 rows, OpenBLAS above) or OpenBLAS alone,
+for side-by-side runs of the same model.
+
+Run: python bench/scripts/depth_sweep.py [--model DIR] [--batch 1,8] [--depth 1,2,3,4,5] [--tokens 128]
+     [--prompts 8] [--repeats 3] [--gemm decode|small|openblas] [--json out.json]
 """
 
 from __future__ import annotations
@@ -135,7 +139,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--plot", help="PNG: tokens/s and acceptance per depth (needs matplotlib)")
+    ap.add_argument("--gemm", choices=("decode", "small", "openblas"), default="decode",
+                    help="kernel for decode-sized products (default: the decode GEMM)")
     args = ap.parse_args()
+    if args.gemm == "openblas":
+        _blas.set_small_gemm_rows(0)
+    else:
+        _blas.set_gemm_kernel(args.gemm)
     depths = sorted({int(d) for d in args.depth.split(",")})
     rt = mtplx_ext.load(args.model)
     prompts = benchmark.heldout_prompts(rt.tokenizer, args.prompts, args.prompt_tokens, seed=args.seed)
@@ -144,7 +154,7 @@ def main() -> None:
     ), "versions": benchmark.versions(), "batches": {}}
     floor = benchmark.streaming_floor(rt)
     report["floor"] = floor
-    print(f"BLAS: {_blas.describe()}; {args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
+    print(f"BLAS: {_blas.describe()}, decode-sized products: {args.gemm}; {args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
           f"{args.tokens} new tokens, medians of {args.repeats} interleaved repeats")
     print(f"weight-streaming floor: {floor['weight_bytes'] / 1e9:.3f} GB / {floor['read_bandwidth'] / 1e9:.1f} GB/s "
           f"= {floor['floor_s'] * 1e3:.2f} ms per step")

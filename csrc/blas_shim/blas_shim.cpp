@@ -63,7 +63,7 @@ std::atomic<int> g_small_rows{mtplx::kDecodeGemmMaxRows};
 std::atomic<int> g_kernel{0};
 // Bytes of W from which the decode GEMM splits its columns over two threads
 // (below it one thread is faster: the hand-off costs more than it saves).
-std::atomic<long long> g_split_bytes{1LL << 20};
+std::atomic<long long> g_split_bytes{16LL << 20};
 char g_error[512] = "";
 
 void* sym(const std::string& prefix, const char* name) {

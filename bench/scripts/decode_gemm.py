@@ -1,0 +1,159 @@
+"""Decode-shape GEMMs over a model's real weights: the shim's kernels against OpenBLAS.
+
+One pass is every Linear weight of the trunk (attention, MLP, lm_head), each
+multiplied once by an [M, in] activation as `x @ W.T`, in layer order, the
+products a plain step (M = batch) or a verification (M = batch x (K + 1))
+asks for. Each pass runs under every setting, interleaved per repeat so a
+noisy neighbour hits them alike; medians of the repeats:
+
+* decode 2t: the decode GEMM (the default), large weights split over 2 threads;
+* decode 1t: the decode GEMM on one thread (`set_gemm_split_bytes(None)`);
+* old: the routing before it, the small-row kernel up to 8 rows, OpenBLAS above;
+* openblas: every product through OpenBLAS's sgemm.
+
+The same run measures this machine's read bandwidth (a one-thread NumPy sum
+over 1 GiB, before and after the passes) and prints the weight-streaming
+floor (weight bytes / bandwidth) beside the passes.
+
+With --split: single products [M, K] x [N, K] over a range of weight sizes,
+one thread against two, to place the decode GEMM's split threshold.
+
+Run: python bench/scripts/decode_gemm.py --model GROWN [--rows 1,8,32,64] [--repeats 7] [--json OUT]
+     python bench/scripts/decode_gemm.py --split [--rows 1,8] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mtplx_ext import _blas
+from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
+
+SETTINGS = ("decode 2t", "decode 1t", "old", "openblas")
+
+
+def apply(setting: str, split_bytes: int | None) -> None:
+    """Routes decode-sized products as `setting` says."""
+    _blas.set_small_gemm_rows(0 if setting == "openblas" else 64)
+    _blas.set_gemm_kernel("small" if setting == "old" else "decode")
+    _blas.set_gemm_split_bytes(None if setting == "decode 1t" else split_bytes)
+
+
+def trunk_weights(folder: Path) -> list[mx.array]:
+    """The trunk's 2-D Linear weights (and lm_head) in file order; the embedding is a lookup, not a GEMM."""
+    weights: list[mx.array] = []
+    for shard in sorted(folder.glob("model*.safetensors")):
+        for name, w in mx.load(str(shard)).items():
+            if w.ndim == 2 and "embed_tokens" not in name and w.dtype == mx.float32:
+                weights.append(w)
+    if not weights:
+        raise SystemExit(f"{folder}: no float32 2-D weights in model*.safetensors")
+    mx.eval(weights)
+    return weights
+
+
+def passes(weights: list[mx.array], rows: list[int], repeats: int, split_bytes: int | None) -> dict:
+    xs = {(m, k): mx.random.normal((m, k)) for m in rows for k in {int(w.shape[1]) for w in weights}}
+    mx.eval(list(xs.values()))
+    times: dict[tuple[str, int], list[float]] = {}
+    for rep in range(repeats + 1):  # repeat 0 warms up
+        for m in rows:
+            for s in SETTINGS:
+                apply(s, split_bytes)
+                t0 = time.perf_counter()
+                for w in weights:  # one product at a time, as a forward runs them
+                    mx.eval(xs[m, int(w.shape[1])] @ w.T)
+                if rep:
+                    times.setdefault((s, m), []).append(time.perf_counter() - t0)
+    apply("decode 2t", split_bytes)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def split_sweep(rows: list[int], repeats: int) -> None:
+    prev = _blas.set_gemm_split_bytes(None)
+    print("| M | N x K | W MiB | 1 thread us | 2 threads us | 1t / 2t |")
+    print("|---:|---|---:|---:|---:|---:|")
+    k = 1536
+    for n in (24, 48, 96, 192, 384, 768, 1536, 4608):
+        # Enough distinct weights that they do not all fit in the last-level cache.
+        copies = max(2, int(96 * 2**20 // (n * k * 4)))
+        ws = [mx.random.normal((n, k)) for _ in range(min(copies, 64))]
+        mx.eval(ws)
+        for m in rows:
+            x = mx.random.normal((m, k))
+            mx.eval(x)
+            t: dict[str, list[float]] = {"1t": [], "2t": []}
+            for rep in range(repeats + 1):
+                for name, split in (("1t", None), ("2t", 0)):
+                    _blas.set_gemm_split_bytes(split)
+                    t0 = time.perf_counter()
+                    for w in ws:
+                        mx.eval(x @ w.T)
+                    if rep:
+                        t[name].append((time.perf_counter() - t0) / len(ws))
+            a, b = (statistics.median(t[s]) * 1e6 for s in ("1t", "2t"))
+            print(f"| {m} | {n} x {k} | {n * k * 4 / 2**20:.2f} | {a:.1f} | {b:.1f} | {a / b:.2f} |", flush=True)
+    _blas.set_gemm_split_bytes(prev)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="model folder (float32), e.g. one made by mtplx-ext grow")
+    ap.add_argument("--rows", default="1,8,32,64")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--split", action="store_true", help="place the two-thread threshold instead")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    if not _blas.status().active:
+        raise SystemExit(f"the BLAS shim is not active: {_blas.status().reason}")
+    print(f"BLAS: {_blas.describe()}; load average {os.getloadavg()}")
+    if args.split:
+        split_sweep(rows, args.repeats)
+        return
+    if args.model is None:
+        raise SystemExit("--model is required (a float32 model folder)")
+    split_bytes = _blas.set_gemm_split_bytes(None)
+    _blas.set_gemm_split_bytes(split_bytes)
+    weights = trunk_weights(args.model)
+    nbytes = sum(w.nbytes for w in weights)
+    bw0 = read_bandwidth()
+    med = passes(weights, rows, args.repeats, split_bytes)
+    bw1 = read_bandwidth()
+    bw = statistics.median([bw0, bw1])
+    floor = streaming_floor_s(nbytes, bw)
+    print(f"{len(weights)} weights, {nbytes / 1e9:.3f} GB; read bandwidth {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s "
+          f"(before / after); streaming floor {floor * 1e3:.1f} ms; medians of {args.repeats} interleaved passes; "
+          f"load average after {os.getloadavg()}")
+    print("| M | " + " | ".join(f"{s} ms" for s in SETTINGS) + " | decode 2t / floor | decode 2t / [1] | "
+          "openblas / decode 2t | old / decode 2t |")
+    print("|---:|" + "---:|" * (len(SETTINGS) + 4))
+    for m in rows:
+        v = [med[s, m] * 1e3 for s in SETTINGS]
+        print(f"| {m} | " + " | ".join(f"{x:.1f}" for x in v) + f" | {v[0] / (floor * 1e3):.2f} | "
+              f"{med['decode 2t', m] / med['decode 2t', rows[0]]:.2f} | {v[3] / v[0]:.2f} | {v[2] / v[0]:.2f} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "command": "python bench/scripts/decode_gemm.py " + " ".join(f"--{k} {v}" for k, v in
+                                                                      (("rows", args.rows), ("repeats", args.repeats))),
+            "model": str(args.model.name), "weights": len(weights), "weight_bytes": nbytes,
+            "blas": _blas.describe(), "mlx": mx.__version__, "cpu": platform.processor() or platform.machine(),
+            "read_bandwidth": [bw0, bw1], "floor_s": floor, "split_bytes": split_bytes,
+            "median_pass_s": {f"{s}|{m}": med[s, m] for s in SETTINGS for m in rows},
+            "load_average_after": os.getloadavg(),
+        }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
