@@ -23,8 +23,13 @@ class BadRequest(Exception):
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    """OpenAI-style error JSON."""
+    """OpenAI-style error JSON (text from the request, lone surrogates included, is escaped, never a 500)."""
+    message, param = _text(message), None if param is None else _text(param)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def _text(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 __all__ = ["BadRequest", "error_response"]

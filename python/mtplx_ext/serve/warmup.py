@@ -3,11 +3,13 @@
 MLX builds the kernels of each compiled step the first time it sees its
 shapes (on the CPU backend by running the C++ compiler; seconds per kernel
 on a machine whose kernel cache is cold). Without a warm-up the first
-client pays that. `warm_up` decodes short requests through the running
-engine in the shapes a server meets first: one request of each batch kind
-(greedy, sampled, penalties) alone, then a full batch of greedy rows, all in
-the smallest KV capacity; then it clears what those requests left in the
-counters, the statistics and the prefix cache, so `/metrics` starts at zero.
+client pays that. The kernels differ by batch kind (greedy, sampled,
+penalties) and by whether the batch has one row or more; prompt length, KV
+capacity and the number of rows beyond one reuse them (measured on the CPU
+backend: no new kernel for other prompt lengths, capacities or batch sizes).
+So `warm_up` decodes short requests of each kind through the running engine,
+alone and as a full batch, then clears what they left in the counters, the
+statistics and the prefix cache, so `/metrics` starts at zero.
 """
 
 from __future__ import annotations
@@ -55,15 +57,14 @@ def warm_up(engine: Engine) -> tuple[float, str]:
     t0 = time.perf_counter()
     rng = np.random.default_rng()
     for sampler in _KINDS.values():
-        _round(engine, sampler, 1, rng)
-    if engine.max_batch > 1:
-        _round(engine, _KINDS["greedy"], engine.max_batch, rng)
+        for rows in sorted({1, engine.max_batch}):
+            _round(engine, sampler, rows, rng)
     _until_idle(engine)
     for k in engine.counters:
         engine.counters[k] = 0
     engine.stats = BatchedDecodeResult(depth=engine.stats.depth)
     engine.prefix = PrefixCache(engine.prefix.max_bytes, engine.prefix.min_tokens)
-    what = f"{', '.join(_KINDS)} at batch 1" + (f", greedy at batch {engine.max_batch}" if engine.max_batch > 1 else "")
+    what = f"{', '.join(_KINDS)} at batch " + " and ".join(str(b) for b in sorted({1, engine.max_batch}))
     return time.perf_counter() - t0, what
 
 
