@@ -183,11 +183,11 @@ class Engine:
         self._thread = EngineThread(self, self._inbox)
         self._thread.start()
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        """Stops the engine thread; requests still open end with an error event."""
+    def stop(self, timeout: float | None = 30.0, reason: str = "the engine stopped") -> None:
+        """Stops the engine thread; requests still open end with an error event saying `reason`."""
         if self._thread is None:
             return
-        self._thread.stop(timeout)
+        self._thread.stop(timeout, reason)
         self._thread = None
 
     @contextlib.contextmanager

@@ -29,34 +29,44 @@ class EngineThread:
         self.engine = engine
         self.inbox = inbox
         self._stop = threading.Event()
+        self.reason = "the engine stopped"
         self._thread = threading.Thread(target=self._run, name="mtplx-engine", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float | None) -> None:
-        """Asks the loop to end (waking it through the inbox) and joins it for up to `timeout` s."""
+    def stop(self, timeout: float | None, reason: str = "the engine stopped") -> None:
+        """Asks the loop to end (waking it through the inbox) and joins it for up to `timeout` s.
+
+        Requests still open end with an error event saying `reason`.
+        """
+        self.reason = reason
         self._stop.set()
         self.inbox.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
         eng = self.engine
-        with eng.session():
-            while not self._stop.is_set():
-                if not eng.step():
-                    try:
-                        item = self.inbox.get(timeout=self.IDLE_WAIT_S)
-                    except queue.Empty:
-                        continue
-                    if item is not None:
-                        eng.admit(item)
-            eng.fail_all("the engine stopped")
-        # MLX keeps per-thread stream state; a thread that ends with it still
-        # set up makes the process abort at exit ("terminate called without
-        # an active exception"): drain and drop it.
-        mx.synchronize()
-        mx.clear_streams()
+        try:
+            with eng.session():
+                try:
+                    while not self._stop.is_set():
+                        if not eng.step():
+                            try:
+                                item = self.inbox.get(timeout=self.IDLE_WAIT_S)
+                            except queue.Empty:
+                                continue
+                            if item is not None:
+                                eng.admit(item)
+                finally:
+                    eng.fail_all(self.reason)
+        finally:
+            # MLX keeps per-thread stream state; a thread that ends with it
+            # still set up (an exception included) makes the process abort at
+            # exit ("terminate called without an active exception"): drain
+            # and drop it.
+            mx.synchronize()
+            mx.clear_streams()
 
 
 __all__ = ["EngineThread"]

@@ -26,23 +26,40 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="MiB of prompt KV kept for later prompts that start alike (0: off)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    s.add_argument("--shutdown-grace", type=float, default=5.0,
+                   help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended (default 5)")
+    s.add_argument("--max-body-mb", type=float, default=4.0,
+                   help="largest request body in MiB; larger ones get a 413 (default 4)")
     s.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """`mtplx-ext serve`: loads the model and serves it until SIGINT / SIGTERM."""
     from mtplx_ext.serve import serve  # noqa: PLC0415  (starlette, uvicorn: the serve extra)
+    from mtplx_ext.serve.server import bind  # noqa: PLC0415
 
     if args.prefix_cache_mb < 0:
         raise CLIError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
-    rt = common.load_model(args.model, need_mtp=not args.no_mtp)
-    folder = Path(args.model) if args.model else SHIPPED_MODEL
+    if not 0 <= args.shutdown_grace <= 3600:
+        raise CLIError(f"--shutdown-grace must be in [0, 3600] seconds, got {args.shutdown_grace}")
+    if not 0 < args.max_body_mb <= 1024:
+        raise CLIError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb}")
+    # The address first: a taken port is a one-line error before the model loads.
     try:
-        serve(rt, folder, host=args.host, port=args.port, max_batch=args.max_batch, depth=args.depth,
-              use_mtp=not args.no_mtp, api_key=args.api_key, max_kv_slots=args.max_kv_slots,
-              prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mb << 20)
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    try:
+        rt = common.load_model(args.model, need_mtp=not args.no_mtp)
+        folder = Path(args.model) if args.model else SHIPPED_MODEL
+        serve(rt, folder, max_batch=args.max_batch, depth=args.depth, use_mtp=not args.no_mtp,
+              api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,
+              prefix_cache_bytes=args.prefix_cache_mb << 20, sock=sock, shutdown_grace=args.shutdown_grace,
+              max_body_bytes=int(args.max_body_mb * (1 << 20)))
     except ValueError as e:
         raise CLIError(str(e)) from e
+    finally:
+        sock.close()
     return 0

@@ -6,18 +6,20 @@ the engine (whose one thread runs every MLX call) and read its events.
 
 from __future__ import annotations
 
-import json
+import hmac
 import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.middleware import Middleware
-from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mtplx_ext.batching import Engine, Request
+from mtplx_ext.serve import body as bodies
 from mtplx_ext.serve import openai
 from mtplx_ext.serve.errors import BadRequest, error_response
 from mtplx_ext.serve.params import integer
@@ -32,8 +34,10 @@ class API:
         tokenizer: `tokenizers.Tokenizer`-like (encode(text).ids, decode(ids)).
         chat_tokenizer: an object with `apply_chat_template` (mlx-lm's
             tokenizer wrapper or a transformers tokenizer), or None (no chat).
-        api_key: when set, /v1 routes and /metrics need `Authorization: Bearer <key>`.
+        api_key: when set, /v1 routes and /metrics need `Authorization: Bearer <key>`
+            (the scheme's case does not matter).
         eos_ids: token ids that end every request (the tokenizer's end of text).
+        max_body_bytes: larger request bodies get a 413.
     """
 
     def __init__(
@@ -44,6 +48,7 @@ class API:
         chat_tokenizer: Any = None,
         api_key: str | None = None,
         eos_ids: tuple[int, ...] = (),
+        max_body_bytes: int = bodies.DEFAULT_MAX_BODY_BYTES,
     ):
         self.engine = engine
         self.model_name = model_name
@@ -51,18 +56,17 @@ class API:
         self.chat_tokenizer = chat_tokenizer
         self.api_key = api_key
         self.eos_ids = tuple(eos_ids)
+        self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
 
     # -- request parsing ----------------------------------------------------------
 
     async def body(self, req: HTTPRequest) -> dict:
-        """The request's JSON object, checked for the fields every route shares."""
-        try:
-            body = json.loads(await req.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the body is not valid JSON: {e}") from None
+        """The request's JSON object, checked for the fields every route shares (`body` module: size, values)."""
+        body = bodies.parse(await bodies.read(req, self.max_body_bytes))
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
+        bodies.check_roles(body)
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise BadRequest(f"unknown model {model!r}; this server serves {self.model_name!r}", "model")
@@ -101,17 +105,27 @@ class API:
         return await openai.generate(self, req, "chat")
 
 
-class _Auth(BaseHTTPMiddleware):
-    def __init__(self, app: Any, key: str | None):
-        super().__init__(app)
+def authorized(header: str | None, key: str) -> bool:
+    """Whether an Authorization header carries `key` under the Bearer scheme (any case, RFC 7235)."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class _Auth:
+    """The API key check, as plain ASGI so the handlers still see the client's own disconnect message."""
+
+    def __init__(self, app: ASGIApp, key: str | None):
+        self.app = app
         self.key = key
 
-    async def dispatch(self, request: HTTPRequest, call_next: Any) -> Response:
-        if self.key is not None and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {self.key}":
-                return error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                                      kind="authentication_error")
-        return await call_next(request)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.key is not None and scope["path"] != "/health":
+            if not authorized(Headers(scope=scope).get("authorization"), self.key):
+                response = error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                                          kind="authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(api: API) -> Starlette:

@@ -10,16 +10,26 @@ from starlette.responses import JSONResponse
 
 
 class BadRequest(Exception):
-    """A request the API refuses with status 400 (never reaches the engine)."""
+    """A request the API refuses (never reaches the engine): status 400, or 413 for a body over the limit."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
+
+    def response(self) -> JSONResponse:
+        """The refusal as OpenAI's error JSON."""
+        return error_response(self.status, str(self), param=self.param)
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    """OpenAI-style error JSON."""
+    """OpenAI-style error JSON (text from the request, lone surrogates included, is escaped, never a 500)."""
+    message, param = _text(message), None if param is None else _text(param)
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+def _text(s: str) -> str:
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 __all__ = ["BadRequest", "error_response"]

@@ -19,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import params
+from mtplx_ext.serve import disconnect, params
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
@@ -37,20 +37,19 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         args = params.submit_args(body, kind, api.eos_ids)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        r = api.submit(prompt, args, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        r = api.submit(prompt, args, disconnect.deliver(loop, events))
     except BadRequest as e:
-        return error_response(400, str(e), param=e.param)
+        return e.response()
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     if body.get("stream", False):
         return StreamingResponse(_sse(api, r, events, rid, kind), media_type="text/event-stream")
     try:
-        while True:
-            ev = await events.get()
-            if ev.kind in ("done", "error"):
-                break
+        ev = await disconnect.final_event(http.receive, events)
     finally:
         if not r.done:  # the client went away
             r.cancel()
+    if ev is None:
+        return Response(status_code=499)  # nobody reads it
     if ev.kind == "error":
         return error_response(500, f"the request failed: {ev.error}", kind="server_error")
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(r), "logprobs": None}

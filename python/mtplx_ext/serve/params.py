@@ -6,6 +6,7 @@ client sees which of its fields is wrong; nothing here touches MLX.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mtplx_ext.sampling import SamplerConfig
@@ -48,8 +49,9 @@ def submit_args(body: dict, kind: str, eos_ids: tuple[int, ...]) -> dict[str, An
     cfg.setdefault("temperature", 1.0)
     try:
         sampler = SamplerConfig(**cfg)
-    except (ValueError, TypeError) as e:
-        raise BadRequest(str(e)) from None
+    except (ValueError, TypeError) as e:  # "SamplerConfig.<field> must ...": name the request's field
+        field = re.match(r"SamplerConfig\.(\w+)", str(e))
+        raise BadRequest(str(e).replace("SamplerConfig.", ""), field and field.group(1)) from None
     max_tokens = integer(body, "max_completion_tokens") if kind == "chat" else None
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens")

@@ -1,17 +1,51 @@
-"""`serve`: the engine on its thread, the HTTP app on uvicorn, until SIGINT / SIGTERM."""
+"""`serve`: the engine on its thread, the HTTP app on uvicorn, until SIGINT / SIGTERM.
+
+Shutdown (SIGINT / SIGTERM): stop accepting, let requests in flight finish
+for `shutdown_grace` seconds, then end the rest with an error (an SSE error
+event and `[DONE]` for a stream, never a cut connection), stop the engine
+while the event loop still runs (its thread then has a loop to hand the
+last events to), and exit with status 0.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
+import socket
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from mtplx_ext.batching import Engine
 from mtplx_ext.serve.app import API, create_app
+from mtplx_ext.serve.body import DEFAULT_MAX_BODY_BYTES
+from mtplx_ext.serve.warmup import warm_up
 from mtplx_ext.shipped import eos_ids
+
+#: Seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended.
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet), so a taken port is known before the model loads.
+
+    Raises:
+        OSError: the address is taken or cannot be bound.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def load_chat_tokenizer(folder: str | Path) -> Any:
@@ -30,7 +64,30 @@ def _server_class() -> type:
 
         uvicorn raises the caught signal again after its graceful shutdown;
         here the shutdown is the whole point of the signal, so it is not.
+        Its shutdown waits for open connections; `engine` and `grace` bound
+        that wait (see the module docstring).
         """
+
+        engine: Engine
+        grace: float
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            lock = threading.Lock()
+
+            def stop_engine() -> None:  # ends the open requests; once (the second call finds it stopped)
+                with lock:
+                    self.engine.stop(10.0, SHUTDOWN_MESSAGE)
+
+            async def end_the_rest() -> None:
+                await asyncio.sleep(self.grace)
+                await asyncio.to_thread(stop_engine)
+
+            ender = asyncio.ensure_future(end_the_rest())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                ender.cancel()
+                await asyncio.to_thread(stop_engine)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -62,20 +119,42 @@ def serve(
     prefill_chunk: int = 256,
     log_level: str = "warning",
     prefix_cache_bytes: int = 256 << 20,
+    sock: socket.socket | None = None,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    warm: bool = True,
+    log: Callable[[str], None] | None = None,
 ) -> None:
-    """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call."""
+    """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call.
+
+    `sock` is a socket from `bind` (else host:port is bound here); nothing
+    answers on it until the warm-up (`warmup.warm_up`) is done, and `log`
+    (default: stderr) says how long that took.
+    """
     import uvicorn  # noqa: PLC0415
 
+    if not shutdown_grace >= 0:
+        raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace!r}")
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     engine = Engine(runtime, max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
                     prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
     api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
-              eos_ids(getattr(runtime, "tokenizer", None)))
+              eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
+    sock = sock if sock is not None else bind(host, port)
     engine.start()
     try:
-        server = _server_class()(uvicorn.Config(create_app(api), host=host, port=port, log_level=log_level))
-        server.run()
+        if warm:
+            seconds, what = warm_up(engine)
+            log(f"mtplx-ext serve: warmed up in {seconds:.2f} s ({what})")
+        server = _server_class()(uvicorn.Config(create_app(api), log_level=log_level,
+                                                timeout_graceful_shutdown=int(shutdown_grace) + 5))
+        server.engine, server.grace = engine, shutdown_grace
+        name = sock.getsockname()
+        log(f"mtplx-ext serve: ready on http://{name[0]}:{name[1]}")
+        server.run(sockets=[sock])
     finally:
         engine.stop()
+        sock.close()
 
 
-__all__ = ["load_chat_tokenizer", "serve"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "SHUTDOWN_MESSAGE", "bind", "load_chat_tokenizer", "serve"]
