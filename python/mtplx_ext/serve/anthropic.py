@@ -29,7 +29,7 @@ from mtplx_ext.serve.openai import Reply, mtp_stats
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 #: Messages fields that would change the reply and that this server does not implement.
-UNSUPPORTED = ("thinking", "container", "mcp_servers", "service_tier", "context_management")
+UNSUPPORTED = ("thinking", "container", "mcp_servers", "context_management", "output_config")
 
 
 def _text_blocks(v: Any, where: str) -> str:
@@ -108,9 +108,10 @@ def _tools(body: dict) -> tuple[list[dict] | None, Any]:
             raise BadRequest(f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema")
         if t.get("description") is not None and not isinstance(t["description"], str):
             raise BadRequest(f"tools[{i}].description must be a string", f"tools[{i}].description")
-        f = {"name": t["name"], "parameters": t["input_schema"]}
+        f = {"name": t["name"]}
         if t.get("description"):
             f["description"] = t["description"]
+        f["parameters"] = t["input_schema"]
         out.append({"type": "function", "function": f})
     tc = body.get("tool_choice")
     kinds = {"auto": "auto", "any": "required", "none": "none"}
