@@ -68,7 +68,8 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
 
 def one(base: str, model: str, prompt: str, tokens: int) -> dict:
     """One streaming completion: arrival times of its text chunks."""
-    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, n_tok = [], 0
     try:

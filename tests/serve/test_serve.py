@@ -108,13 +108,15 @@ def test_sixteen_concurrent_requests_all_complete_equal_to_the_offline_engine(se
         if job["chat"]:
             msgs = [{"role": "user", "content": job["prompt"]}]
             if job["stream"]:
-                parts = list(client.chat.completions.create(messages=msgs, stream=True, **kw))
+                parts = list(client.chat.completions.create(messages=msgs, stream=True,
+                                                            stream_options={"include_usage": True}, **kw))
                 return "".join(c.choices[0].delta.content or "" for c in parts if c.choices), parts[-1].usage
             r = client.chat.completions.create(messages=msgs, **kw)
             return r.choices[0].message.content, r.usage
         if job["stream"]:
-            parts = list(client.completions.create(prompt=job["prompt"], stream=True, **kw))
-            return "".join(c.choices[0].text for c in parts), parts[-1].usage
+            parts = list(client.completions.create(prompt=job["prompt"], stream=True,
+                                                   stream_options={"include_usage": True}, **kw))
+            return "".join(c.choices[0].text for c in parts if c.choices), parts[-1].usage
         r = client.completions.create(prompt=job["prompt"], **kw)
         return r.choices[0].text, r.usage
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response
@@ -19,9 +20,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mtplx_ext.batching import Engine, Request
+from mtplx_ext.serve import anthropic, openai
 from mtplx_ext.serve import body as bodies
-from mtplx_ext.serve import openai
-from mtplx_ext.serve.errors import BadRequest, error_response
+from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
 from mtplx_ext.serve.params import integer
 
 
@@ -90,10 +91,18 @@ class API:
     async def health(self, req: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok"})
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mtplx-ext"}
+
     async def models(self, req: HTTPRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "mtplx-ext"}
-        ]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, req: HTTPRequest) -> Response:
+        mid = req.path_params["model_id"]
+        if mid != self.model_name:
+            return error_response(404, f"unknown model {mid!r}; this server serves {self.model_name!r}",
+                                  param="model", code="model_not_found")
+        return JSONResponse(self.model_card())
 
     async def metrics(self, req: HTTPRequest) -> Response:
         return JSONResponse(self.engine.metrics())
@@ -103,6 +112,34 @@ class API:
 
     async def chat(self, req: HTTPRequest) -> Response:
         return await openai.generate(self, req, "chat")
+
+    async def messages(self, req: HTTPRequest) -> Response:
+        return await anthropic.messages(self, req)
+
+    async def count_tokens(self, req: HTTPRequest) -> Response:
+        return await anthropic.count_tokens(self, req)
+
+
+def _anthropic_path(path: str) -> bool:
+    """Routes whose clients read Anthropic's error JSON."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+async def _http_error(request: HTTPRequest, exc: Exception) -> Response:
+    """404 / 405 / any HTTPException as JSON (Anthropic's shape under /v1/messages)."""
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", None) or "error"
+    if status == 404:
+        detail = f"no route {request.url.path}"
+    elif status == 405:
+        detail = f"method {request.method} is not allowed on {request.url.path}"
+    if _anthropic_path(request.url.path):
+        resp = anthropic_error(status, detail)
+    else:
+        resp = error_response(status, detail, kind="not_found_error" if status == 404 else "invalid_request_error")
+    for k, v in (getattr(exc, "headers", None) or {}).items():  # Allow on a 405
+        resp.headers[k] = v
+    return resp
 
 
 def authorized(header: str | None, key: str) -> bool:
@@ -120,21 +157,35 @@ class _Auth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.key is not None and scope["path"] != "/health":
-            if not authorized(Headers(scope=scope).get("authorization"), self.key):
-                response = error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                                          kind="authentication_error")
+            headers = Headers(scope=scope)
+            # OpenAI clients send a bearer token, Anthropic clients x-api-key: either will do.
+            api_key = headers.get("x-api-key")
+            if not (authorized(headers.get("authorization"), self.key)
+                    or (api_key is not None and hmac.compare_digest(api_key.encode(), self.key.encode()))):
+                why = "missing or wrong API key (send Authorization: Bearer <key> or x-api-key: <key>)"
+                if _anthropic_path(scope["path"]):
+                    response = anthropic_error(401, why)
+                else:
+                    response = error_response(401, why, kind="authentication_error")
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def create_app(api: API) -> Starlette:
-    """The ASGI app: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions."""
+    """The ASGI app: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions, /v1/messages.
+
+    Every error, an unknown route (404) or method (405) included, is JSON.
+    """
     routes = [
         Route("/health", api.health),
         Route("/metrics", api.metrics),
         Route("/v1/models", api.models),
+        Route("/v1/models/{model_id:path}", api.model),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)])
+    return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)],
+                     exception_handlers={HTTPException: _http_error})

@@ -22,14 +22,26 @@ class BadRequest(Exception):
         return error_response(self.status, str(self), param=self.param)
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
     """OpenAI-style error JSON (text from the request, lone surrogates included, is escaped, never a 500)."""
     message, param = _text(message), None if param is None else _text(param)
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status)
 
 
 def _text(s: str) -> str:
     return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-__all__ = ["BadRequest", "error_response"]
+#: Anthropic's error type of each status this server answers with.
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                   405: "invalid_request_error", 413: "request_too_large", 500: "api_error"}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    """Anthropic-style error JSON (`{"type": "error", "error": {"type", "message"}}`)."""
+    kind = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": _text(message)}}, status_code=status)
+
+
+__all__ = ["ANTHROPIC_TYPES", "BadRequest", "anthropic_error", "error_response"]

@@ -1,7 +1,9 @@
 """The OpenAI routes' work: `/v1/completions` and `/v1/chat/completions`, streamed or not.
 
-`generate` checks the body (`params`), queues the request on the engine and
-turns the engine's events into OpenAI's JSON or server-sent events. It runs on
+`generate` checks the body (`parse_request`: `params`, `fields`, `tools`),
+queues the request on the engine and turns the engine's events into OpenAI's
+JSON or server-sent events; `choice_json` builds every choice and delta, and
+`Reply` cuts tool calls out of the text. It runs on
 the event loop and never calls MLX; the engine's thread hands events over with
 `call_soon_threadsafe`.
 """
@@ -12,15 +14,76 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import disconnect, params
+from mtplx_ext.serve import disconnect, fields, params, tools
 from mtplx_ext.serve.errors import BadRequest, error_response
+
+
+@dataclass
+class Reply:
+    """What one request asked of its reply's shape: the route, tool parsing, usage in streams.
+
+    `pieces(text)` / `finish()` turn newly final text into ("text", str) and
+    ("call", tool call) pieces; without tools every piece is text.
+    """
+
+    kind: str
+    tool_list: list[dict] | None = None
+    fmt: Any = None  # tools.ToolFormat when tool calls are parsed
+    parallel: bool = True
+    include_usage: bool = False
+
+    def __post_init__(self) -> None:
+        self._split: tools.ToolStream | None = None
+        self.n_calls = 0
+
+    def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True) -> None:
+        """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only)."""
+        self.tool_list, self.fmt, self.parallel = tool_list, fmt, parallel
+        self._split = tools.ToolStream(fmt, tool_list)
+
+    def pieces(self, text: str) -> list[tuple[str, Any]]:
+        if self._split is None:
+            return [("text", text)] if text else []
+        return self._keep(self._split.push(text))
+
+    def finish(self) -> list[tuple[str, Any]]:
+        return self._keep(self._split.finish()) if self._split is not None else []
+
+    def _keep(self, pieces: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        out = []
+        for k, p in pieces:
+            if k == "call":
+                if self.n_calls and not self.parallel:
+                    continue  # parallel_tool_calls: false keeps the first call
+                self.n_calls += 1
+            out.append((k, p))
+        return out
+
+
+def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str, Any], Reply]:
+    """A checked body's prompt, engine arguments and reply shape (400s name the field)."""
+    fields.check_unsupported(body, kind)
+    reply = Reply(kind, include_usage=fields.include_usage(body))
+    if kind == "chat":
+        tool_list, choice = tools.check_tools(body)
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+        if choice != "none":  # "none": the model neither sees the tools nor calls them
+            reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel)
+        prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer, reply.tool_list)
+    else:
+        prompt = params.completion_prompt(body, api.tokenizer)
+    return prompt, params.submit_args(body, kind, api.eos_ids), reply
+
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     """Answer one completion (`kind="completion"`) or chat request.
@@ -30,11 +93,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     """
     try:
         body = await api.body(http)
-        if kind == "chat":
-            prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer)
-        else:
-            prompt = params.completion_prompt(body, api.tokenizer)
-        args = params.submit_args(body, kind, api.eos_ids)
+        prompt, args, reply = parse_request(api, body, kind)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, disconnect.deliver(loop, events))
@@ -42,7 +101,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         return e.response()
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     if body.get("stream", False):
-        return StreamingResponse(_sse(api, r, events, rid, kind), media_type="text/event-stream")
+        return StreamingResponse(_sse(api, r, events, rid, reply), media_type="text/event-stream")
     try:
         ev = await disconnect.final_event(http.receive, events)
     finally:
@@ -52,45 +111,86 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         return Response(status_code=499)  # nobody reads it
     if ev.kind == "error":
         return error_response(500, f"the request failed: {ev.error}", kind="server_error")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(r), "logprobs": None}
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": r.text}
-    else:
-        choice["text"] = r.text
+    pieces = reply.pieces(r.text) + reply.finish()
+    text = "".join(p for k, p in pieces if k == "text")
+    calls = [p for k, p in pieces if k == "call"]
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-        "created": int(time.time()), "model": api.model_name, "choices": [choice],
+        "created": int(time.time()), "model": api.model_name,
+        "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls)],
         "usage": usage(r), "mtp": mtp_stats(r, api.engine),
     })
 
 
-async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, kind: str) -> AsyncIterator[str]:
+def choice_json(kind: str, finish: str | None, *, text: str | None = None, tool_calls: list[dict] | None = None,
+                stream: bool = False, first: bool = False) -> dict[str, Any]:
+    """One choice of a response (`stream=False`) or of a stream chunk: the one place a choice is built.
+
+    A chat message with tool calls and no other text has null content, as
+    OpenAI's; a stream's first chat chunk carries the role.
+    """
+    choice: dict[str, Any] = {"index": 0}
+    if kind == "chat":
+        if stream:
+            msg: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                msg["content"] = text
+        else:
+            msg = {"role": "assistant", "content": None if tool_calls and not text.strip() else text}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        choice["delta" if stream else "message"] = msg
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish
+    return choice
+
+
+async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Reply) -> AsyncIterator[str]:
     created = int(time.time())
+    kind = reply.kind
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
-        if kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        out = {"id": rid, "object": obj, "created": created, "model": api.model_name, "choices": [choice]}
-        if finish is not None:
-            out["usage"] = usage(r)
-            out["mtp"] = mtp_stats(r, api.engine)
+    def chunk(choices: list[dict], extra: dict | None = None) -> str:
+        out: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": api.model_name,
+                               "choices": choices}
+        if reply.include_usage:
+            out["usage"] = None
+        out.update(extra or {})
         return f"data: {json.dumps(out)}\n\n"
+
+    sent = 0  # tool calls streamed so far: the next one's index
+
+    def piece_chunks(pieces: list[tuple[str, Any]]) -> Iterator[str]:
+        nonlocal sent
+        for k, p in pieces:
+            if k == "text":
+                if p:
+                    yield chunk([choice_json(kind, None, text=p, stream=True)])
+                continue
+            i, sent = sent, sent + 1
+            head = {"index": i, "id": p["id"], "type": "function",
+                    "function": {"name": p["function"]["name"], "arguments": ""}}
+            yield chunk([choice_json(kind, None, tool_calls=[head], stream=True)])
+            args = {"index": i, "function": {"arguments": p["function"]["arguments"]}}
+            yield chunk([choice_json(kind, None, tool_calls=[args], stream=True)])
 
     try:
         if kind == "chat":
-            yield chunk(None, None, first=True)
+            yield chunk([choice_json(kind, None, stream=True, first=True)])
         while True:
             ev = await events.get()
             if ev.kind == "tokens" and ev.text:
-                yield chunk(ev.text, None)
+                for c in piece_chunks(reply.pieces(ev.text)):
+                    yield c
             elif ev.kind == "done":
-                yield chunk(None, finish_reason(r))
+                for c in piece_chunks(reply.finish()):
+                    yield c
+                yield chunk([choice_json(kind, finish_reason(r, reply.n_calls > 0), stream=True)],
+                            {"mtp": mtp_stats(r, api.engine)})
+                if reply.include_usage:
+                    yield chunk([], {"usage": usage(r)})
                 break
             elif ev.kind == "error":
                 err = {"error": {"message": f"the request failed: {ev.error}", "type": "server_error"}}
@@ -102,9 +202,11 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, kind: str)
             r.cancel()
 
 
-def finish_reason(r: Request) -> str:
-    """OpenAI's finish_reason of a finished request."""
-    return "length" if r.finish_reason == "length" else "stop"
+def finish_reason(r: Request, called: bool = False) -> str:
+    """OpenAI's finish_reason of a finished request (`called`: its reply holds tool calls)."""
+    if r.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
 
 
 def usage(r: Request) -> dict[str, int]:
@@ -119,4 +221,4 @@ def mtp_stats(r: Request, engine: Engine) -> dict[str, Any]:
             "acceptance": r.acceptance, "mean_accepted_length": r.mean_accepted_length}
 
 
-__all__ = ["finish_reason", "generate", "mtp_stats", "usage"]
+__all__ = ["Reply", "choice_json", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from mtplx_ext.sampling import SamplerConfig
+from mtplx_ext.serve import tools
 from mtplx_ext.serve.errors import BadRequest
 
 #: OpenAI's defaults: completions generate 16 tokens unless told.
@@ -87,33 +88,27 @@ def completion_prompt(body: dict, tokenizer: Any) -> list[int]:
 
 
 def chat_messages(body: dict) -> list[dict[str, Any]]:
-    """A chat body's `messages`, checked, with text content parts joined into one string."""
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    clean = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string role", "messages")
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: text only
-            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text"), str) for x in c):
-                raise BadRequest(f"messages[{i}].content parts must be text parts", "messages")
-            c = "".join(x["text"] for x in c)
-        if not isinstance(c, str):
-            raise BadRequest(f"messages[{i}].content must be a string", "messages")
-        clean.append({"role": m["role"], "content": c})
-    return clean
+    """A chat body's `messages`, checked (`tools.chat_messages`: text parts joined, tool loops kept)."""
+    return tools.chat_messages(body)
 
 
-def chat_prompt(body: dict, tokenizer: Any, chat_tokenizer: Any) -> list[int]:
-    """The token ids of a chat body: its messages through the model's chat template."""
+def chat_prompt(body: dict, tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None = None) -> list[int]:
+    """The token ids of a chat body: its messages (and `tool_list`, the checked tools) through the chat template."""
     clean = chat_messages(body)
+    return template_prompt(clean, tokenizer, chat_tokenizer, tool_list)
+
+
+def template_prompt(messages: list[dict], tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None) -> list[int]:
+    """Checked chat messages (OpenAI's shape) and tools through the model's chat template, tokenized."""
     if chat_tokenizer is None:
         raise BadRequest("this model has no chat template; use /v1/completions", "messages")
-    text = chat_tokenizer.apply_chat_template(clean, tokenize=False, add_generation_prompt=True)
+    kw = {"tools": tool_list} if tool_list else {}
+    try:
+        text = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    except Exception as e:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
+        raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None
     return tokenizer.encode(text).ids
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "FLOAT_FIELDS", "chat_messages", "chat_prompt", "completion_prompt", "integer",
-           "number", "submit_args"]
+           "number", "submit_args", "template_prompt"]

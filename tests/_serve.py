@@ -1,0 +1,157 @@
+"""Servers for the serve tests: `mtplx-ext serve` in a subprocess, or the app over a scripted engine in a thread.
+
+`ScriptedEngine` stands in for `Engine` where a test must steer the model's
+output (a tool call the shipped code model would never write): it answers
+every request with `reply`'s tokens, in chunks of random sizes, through the
+real `Request` / `Detokenizer` / `Event` path, and records each prompt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+import mtplx_ext
+from mtplx_ext.batching import Event, Request
+from mtplx_ext.serve import API, create_app, load_chat_tokenizer
+from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
+
+PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parents[1])
+
+#: A Qwen-style chat template with tools (written for these tests): tools in a
+#: system block, calls as <tool_call>{json}</tool_call>, results as <tool_response>.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n{% if messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools>\n"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and tools %}"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for tool_call in m.tool_calls or [] %}{%- if tool_call.function %}{% set tool_call = tool_call.function %}"
+    "{% endif %}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}"
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tool_model_folder(tmp: Path) -> Path:
+    """A folder with the shipped tokenizer and `TOOL_TEMPLATE` (what mlx-lm's tokenizer loader reads)."""
+    import json
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "tokenizer.json").write_bytes((Path(SHIPPED_MODEL) / "tokenizer.json").read_bytes())
+    cfg = json.loads((Path(SHIPPED_MODEL) / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOL_TEMPLATE
+    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tmp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cli(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`mtplx-ext serve` on a free port of 127.0.0.1; (process, base URL) once /health answers."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "mtplx_ext.cli", "serve", "--port", str(port), *flags],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read().decode()}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not come up in 60 s")
+
+
+def stop_cli(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+class ScriptedEngine:
+    """An `Engine` stand-in whose every reply is `reply` (cut at max_tokens), streamed in random chunks."""
+
+    depth, mtp = 2, True
+
+    def __init__(self, tokenizer: Any, seed: int | None = None):
+        self.tokenizer = tokenizer
+        self.reply = ""
+        self.prompts: list[list[int]] = []
+        self.rng = np.random.default_rng(seed)
+
+    def submit(self, prompt: list[int], *, on_event: Any = None, max_tokens: int = 64, sampler: Any = None,
+               stop: Any = (), seed: int | None = None, stop_token_ids: Any = ()) -> Request:
+        r = Request(len(self.prompts), list(prompt), sampler, max_tokens, frozenset(stop_token_ids), tuple(stop),
+                    seed or 0, on_event, depth=self.depth, tokenizer=self.tokenizer)
+        self.prompts.append(list(prompt))
+        ids = self.tokenizer.encode(self.reply).ids[:max_tokens]
+        cuts = sorted({0, len(ids), *self.rng.integers(0, len(ids) + 1, size=max(len(ids) // 3, 1)).tolist()})
+        threading.Thread(target=self._run, args=(r, ids, cuts), daemon=True).start()
+        return r
+
+    def _run(self, r: Request, ids: list[int], cuts: list[int]) -> None:
+        for a, b in zip(cuts, cuts[1:]):
+            new = ids[a:b]
+            r.tokens.extend(new)
+            text, cut = r.detok.push(new, final=b == len(ids))
+            r.emit(Event("tokens", tokens=new, text=text))
+            if cut:
+                break
+            time.sleep(0.001)
+        r.finish("length" if len(r.tokens) >= r.max_tokens else "stop")
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class AppThread:
+    """The HTTP app over `engine` on uvicorn, in a thread on a free port of 127.0.0.1."""
+
+    def __init__(self, engine: Any, folder: Path, api_key: str | None = None, model_name: str = "stub"):
+        import uvicorn
+
+        self.api = API(engine, model_name, engine.tokenizer, load_chat_tokenizer(folder), api_key,
+                       eos_ids(engine.tokenizer))
+        port = free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.api), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "AppThread":
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise AssertionError("the app did not start in 30 s")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
