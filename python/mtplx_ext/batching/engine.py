@@ -156,6 +156,7 @@ class Engine:
             sampler = SamplerConfig(temperature=0.0)
         if not isinstance(sampler, SamplerConfig):
             raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
+        admission.check_logit_bias(sampler, self.vocab)
         stop_ids = as_stop_ids(stop_token_ids, self.vocab)
         stops = admission.check_stops(stop, self.tokenizer is not None)
         seed = as_seed("seed", seed)
@@ -355,10 +356,11 @@ class Engine:
         for r in new:
             r.row = None
         rows = merge_rows(parts, cap, kind, self.mtp, self.vocab)
-        key = (B, cap, kind)
+        biased = any(r.sampler.has_bias for r in reqs)
+        key = (B, cap, kind, biased)
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp)
+            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp, biased)
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
