@@ -1,9 +1,12 @@
 // Argument checks shared by the C++ ops: errors name the argument.
 #pragma once
 
+#include <climits>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mlx/array.h"
 #include "mlx/ops.h"
@@ -85,6 +88,72 @@ token_ids(const char* name, const mx::array& a, mx::Stream st) {
       ? a
       : mx::astype(a, mx::int64, st);
   return mx::contiguous(t, false, st);
+}
+
+// A padded per-row logit bias: ids [B, M] (integer; an id outside [0, V)
+// adds nothing, so -1 pads a row) and values [B, M] (floating), M >= 1.
+// Both or neither. Returns {ids int32, values float32}, contiguous, or an
+// empty vector without a bias. Ids wider than int32 are clipped into
+// [-1, 2**31 - 1] first: a cast alone could wrap an id into the vocabulary.
+// The kernels run on the CPU only so far: a bias on another stream is an
+// error here, before anything runs.
+inline std::vector<mx::array> logit_bias_inputs(
+    const std::optional<mx::array>& ids,
+    const std::optional<mx::array>& values,
+    int B,
+    mx::Stream st) {
+  if (!ids && !values) {
+    return {};
+  }
+  if (!ids || !values) {
+    bad_arg(
+        "logit_bias needs both logit_bias_ids and logit_bias_values (or "
+        "neither)");
+  }
+  const mx::array& i = *ids;
+  const mx::array& v = *values;
+  if (i.ndim() != 2 || i.shape(0) != B || i.shape(1) < 1) {
+    bad_arg(
+        "logit_bias_ids must have shape [B, M] with B = " + std::to_string(B) +
+        " and M >= 1, got " + shape_str(i.shape()));
+  }
+  if (v.shape() != i.shape()) {
+    bad_arg(
+        "logit_bias_values must have the shape of logit_bias_ids " +
+        shape_str(i.shape()) + ", got " + shape_str(v.shape()));
+  }
+  if (!mx::issubdtype(i.dtype(), mx::integer)) {
+    bad_arg("logit_bias_ids must have an integer dtype");
+  }
+  if (!mx::issubdtype(v.dtype(), mx::floating)) {
+    bad_arg("logit_bias_values must be a floating array");
+  }
+  if (st.device != mx::Device::cpu) {
+    bad_arg("logit_bias runs on the CPU stream only");
+  }
+  mx::array t = i;
+  if (i.dtype() == mx::int64 || i.dtype() == mx::uint32 ||
+      i.dtype() == mx::uint64) {
+    auto wide = mx::astype(i, mx::int64, st);
+    if (i.dtype() == mx::uint64) {
+      // Huge unsigned ids would turn negative in int64: take them as "none".
+      wide = mx::where(
+          mx::greater(i, mx::array(uint64_t(INT32_MAX), mx::uint64), st),
+          mx::array(int64_t(-1), mx::int64),
+          wide,
+          st);
+    }
+    t = mx::clip(
+        wide,
+        mx::array(int64_t(-1), mx::int64),
+        mx::array(int64_t(INT32_MAX), mx::int64),
+        st);
+  }
+  if (t.dtype() != mx::int32) {
+    t = mx::astype(t, mx::int32, st);
+  }
+  auto f = v.dtype() == mx::float32 ? v : mx::astype(v, mx::float32, st);
+  return {mx::contiguous(t, false, st), mx::contiguous(f, false, st)};
 }
 
 } // namespace mtplx

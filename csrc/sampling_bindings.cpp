@@ -20,6 +20,8 @@ void bind_sampling(nb::module_& m) {
       "params"_a,
       "token_counts"_a = nb::none(),
       "extra_tokens"_a = nb::none(),
+      "logit_bias_ids"_a = nb::none(),
+      "logit_bias_values"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none());
 
@@ -47,6 +49,8 @@ void bind_sampling(nb::module_& m) {
       "token_counts"_a = nb::none(),
       nb::kw_only(),
       "variant"_a = 0,
+      "logit_bias_ids"_a = nb::none(),
+      "logit_bias_values"_a = nb::none(),
       "stream"_a = nb::none());
 
   // Internal: the CPU kernels' thread count (MTPLX_CPU_THREADS or the

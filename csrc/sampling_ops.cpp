@@ -77,9 +77,11 @@ void check_draft_logits(
   }
 }
 
-void check_variant(int variant) {
-  if (variant < 0 || variant > 3) {
-    bad_arg("variant must be in [0, 3], got " + std::to_string(variant));
+void check_variant(int variant, int last = 3) {
+  if (variant < 0 || variant > last) {
+    bad_arg(
+        "variant must be in [0, " + std::to_string(last) + "], got " +
+        std::to_string(variant));
   }
 }
 
@@ -116,6 +118,8 @@ mx::array sample_tokens(
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
     const std::optional<mx::array>& extra_tokens,
+    const std::optional<mx::array>& logit_bias_ids,
+    const std::optional<mx::array>& logit_bias_values,
     mx::StreamOrDevice s) {
   if (logits.ndim() != 2) {
     bad_arg("logits must have shape [B, V], got " + shape_str(logits.shape()));
@@ -149,17 +153,20 @@ mx::array sample_tokens(
     }
     inputs.push_back(token_ids("extra_tokens", e, st));
   }
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B},
       mx::int32,
       std::make_shared<SampleTokens>(
-          st, token_counts.has_value(), extra_tokens.has_value()),
+          st, token_counts.has_value(), extra_tokens.has_value(), !bias.empty()),
       std::move(inputs));
 }
 
 bool SampleTokens::is_equivalent(const mx::Primitive& other) const {
   auto& o = static_cast<const SampleTokens&>(other);
-  return has_counts_ == o.has_counts_ && has_extra_ == o.has_extra_;
+  return has_counts_ == o.has_counts_ && has_extra_ == o.has_extra_ &&
+      has_bias_ == o.has_bias_;
 }
 
 std::vector<mx::Shape> SampleTokens::output_shapes(
@@ -216,6 +223,8 @@ mx::array verify_sampled_chain(
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
     int variant,
+    const std::optional<mx::array>& logit_bias_ids,
+    const std::optional<mx::array>& logit_bias_values,
     mx::StreamOrDevice s) {
   const int K = check_chain_logits(verify_logits, kMaxChainDrafts);
   const int B = verify_logits.shape(0);
@@ -224,7 +233,7 @@ mx::array verify_sampled_chain(
   require_shape("tokens", tokens, {B, K + 1}, "[B, K + 1]");
   require_shape("uniforms", uniforms, {B, K + 2}, "[B, K + 2]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
-  check_variant(variant);
+  check_variant(variant, 5);
   auto st = mx::to_stream(s);
   if (variant != 0 && st.device != mx::Device::cpu) {
     bad_arg("variant (a test-only broken rule) runs on the CPU only");
@@ -237,11 +246,16 @@ mx::array verify_sampled_chain(
       params,
       token_counts,
       st);
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B, K + 3},
       mx::int32,
       std::make_shared<VerifySampledChain>(
-          st, token_counts.has_value(), static_cast<ChainVariant>(variant)),
+          st,
+          token_counts.has_value(),
+          static_cast<ChainVariant>(variant),
+          !bias.empty()),
       std::move(inputs));
 }
 

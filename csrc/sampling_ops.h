@@ -12,13 +12,16 @@ namespace mtplx {
 namespace mx = mlx::core;
 
 // logits [B, V]; uniforms [B]; params [B, 7] float32; token_counts [B, V];
-// extra_tokens [B, E] (ids counted once more, -1 for none). -> [B] int32.
+// extra_tokens [B, E] (ids counted once more, -1 for none); logit_bias_ids /
+// logit_bias_values [B, M] (arg_checks.h). -> [B] int32.
 mx::array sample_tokens(
     const mx::array& logits,
     const mx::array& uniforms,
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
     const std::optional<mx::array>& extra_tokens,
+    const std::optional<mx::array>& logit_bias_ids = std::nullopt,
+    const std::optional<mx::array>& logit_bias_values = std::nullopt,
     mx::StreamOrDevice s = {});
 
 // verify_logits [B, 2, V]; draft_logits [B, V]; tokens [B, 2] (x0, draft);
@@ -36,8 +39,9 @@ mx::array verify_sampled(
 
 // verify_logits [B, K + 1, V] (K in 1..8); draft_logits [B, K, V]; tokens
 // [B, K + 1] (x0, d_1..d_K); uniforms [B, K + 2]; params [B, 7] float32;
-// token_counts [B, V] (before x0). -> chain bundle [B, K + 3] int32.
-// `variant` != 0 selects a test-only broken rule (CPU only).
+// token_counts [B, V] (before x0); logit_bias_ids / logit_bias_values
+// [B, M] (added to the target and the draft rows). -> chain bundle
+// [B, K + 3] int32. `variant` != 0 selects a test-only broken rule (CPU only).
 mx::array verify_sampled_chain(
     const mx::array& verify_logits,
     const mx::array& draft_logits,
@@ -46,6 +50,8 @@ mx::array verify_sampled_chain(
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
     int variant = 0,
+    const std::optional<mx::array>& logit_bias_ids = std::nullopt,
+    const std::optional<mx::array>& logit_bias_values = std::nullopt,
     mx::StreamOrDevice s = {});
 
 } // namespace mtplx

@@ -28,10 +28,15 @@ enum class SamplingVariant : int {
 // more, others are ignored). Output: [B] int32, -1 on an unusable row.
 class SampleTokens : public mx::UnaryPrimitive {
  public:
-  SampleTokens(mx::Stream stream, bool has_counts, bool has_extra)
+  SampleTokens(
+      mx::Stream stream,
+      bool has_counts,
+      bool has_extra,
+      bool has_bias = false)
       : mx::UnaryPrimitive(stream),
         has_counts_(has_counts),
-        has_extra_(has_extra) {}
+        has_extra_(has_extra),
+        has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -49,26 +54,37 @@ class SampleTokens : public mx::UnaryPrimitive {
   bool has_extra() const {
     return has_extra_;
   }
+  bool has_bias() const {
+    return has_bias_;
+  }
 
  private:
   bool has_counts_;
   bool has_extra_;
+  bool has_bias_;
 };
 
 // The state of a sampled verification primitive (verify_sampled and its
-// chain form): whether counts are an input, and the test-only variant.
+// chain form): whether counts and a logit bias (ids, values: the last two
+// inputs) are inputs, and the test-only variant.
 template <class Variant>
 class SampledVerifyPrimitive : public mx::UnaryPrimitive {
  public:
-  SampledVerifyPrimitive(mx::Stream stream, bool has_counts, Variant variant)
+  SampledVerifyPrimitive(
+      mx::Stream stream,
+      bool has_counts,
+      Variant variant,
+      bool has_bias = false)
       : mx::UnaryPrimitive(stream),
         has_counts_(has_counts),
-        variant_(variant) {}
+        variant_(variant),
+        has_bias_(has_bias) {}
 
   // MLX compares only primitives of the same type (typeid) here.
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const SampledVerifyPrimitive&>(other);
-    return has_counts_ == o.has_counts_ && variant_ == o.variant_;
+    return has_counts_ == o.has_counts_ && variant_ == o.variant_ &&
+        has_bias_ == o.has_bias_;
   }
 
   bool has_counts() const {
@@ -77,10 +93,14 @@ class SampledVerifyPrimitive : public mx::UnaryPrimitive {
   Variant variant() const {
     return variant_;
   }
+  bool has_bias() const {
+    return has_bias_;
+  }
 
  protected:
   bool has_counts_;
   Variant variant_;
+  bool has_bias_;
 };
 
 // Speculative verification of one sampled draft per row, packed into the
@@ -109,13 +129,18 @@ enum class ChainVariant : int {
   kResidualUnnormalised = 1, // residual drawn as if its mass were 1
   kBonusFromDraft = 2, // bonus drawn from the last draft row, not p_{K+1}
   kAcceptWithNextTarget = 3, // accept test against p_{i+1} instead of p_i
+  kBiasNotInResidual = 4, // the residual drawn from the unbiased p
+  kBiasNotInDraft = 5, // q without the bias the draft was sampled with
 };
 
 // Exact speculative verification of K chained sampled drafts per row.
 // Inputs: verify_logits [B, K + 1, V], draft_logits [B, K, V] (same float
 // dtype), tokens [B, K + 1] (int32/int64: x0, d_1..d_K), uniforms
 // [B, K + 2] float32 (u_accept_1..K, u_resample, u_bonus), params
-// [B, kParamCols] float32, then optionally counts [B, V] int32.
+// [B, kParamCols] float32, then optionally counts [B, V] int32, then
+// optionally the logit bias ids [B, M] int32 and values [B, M] float32,
+// added to every target row and every draft row (the drafts are sampled
+// with it, so q is the biased draft distribution).
 // Output: the chain bundle [B, K + 3] int32 (layout in mtplx_rules.h).
 class VerifySampledChain : public SampledVerifyPrimitive<ChainVariant> {
  public:

@@ -26,6 +26,8 @@ void bind_verify(nb::module_& m) {
       &mtplx::verify_greedy_chain,
       "verify_logits"_a,
       "tokens"_a,
+      "logit_bias_ids"_a = nb::none(),
+      "logit_bias_values"_a = nb::none(),
       nb::kw_only(),
       "stream"_a = nb::none());
 }

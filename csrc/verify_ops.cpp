@@ -38,6 +38,8 @@ std::vector<mx::Shape> VerifyGreedy::output_shapes(
 mx::array verify_greedy_chain(
     const mx::array& verify_logits,
     const mx::array& tokens,
+    const std::optional<mx::array>& logit_bias_ids,
+    const std::optional<mx::array>& logit_bias_values,
     mx::StreamOrDevice s) {
   const int K = check_chain_logits(verify_logits, kMaxChainDrafts);
   const int B = verify_logits.shape(0);
@@ -51,11 +53,14 @@ mx::array verify_greedy_chain(
   auto st = mx::to_stream(s);
   auto tok = token_ids("tokens", tokens, st);
   auto logits = mx::contiguous(verify_logits, false, st);
+  std::vector<mx::array> inputs = {logits, tok};
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B, K + 3},
       mx::int32,
-      std::make_shared<VerifyGreedyChain>(st),
-      {logits, tok});
+      std::make_shared<VerifyGreedyChain>(st, !bias.empty()),
+      std::move(inputs));
 }
 
 std::vector<mx::Shape> VerifyGreedyChain::output_shapes(

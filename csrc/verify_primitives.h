@@ -33,11 +33,14 @@ class VerifyGreedy : public mx::UnaryPrimitive {
 
 // Greedy verification of K chained drafts per stream (K = T - 1 in 1..8).
 // Inputs: logits [B, T, V] (float32/float16/bfloat16, row contiguous),
-// tokens [B, T] (int32 or int64: x0, d_1..d_K). Output: the chain bundle
-// [B, K + 3] int32 (layout in mtplx_rules.h).
+// tokens [B, T] (int32 or int64: x0, d_1..d_K), then optionally the logit
+// bias ids [B, M] int32 and values [B, M] float32 (each row's argmax is
+// that of its biased logits). Output: the chain bundle [B, K + 3] int32
+// (layout in mtplx_rules.h).
 class VerifyGreedyChain : public mx::UnaryPrimitive {
  public:
-  explicit VerifyGreedyChain(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  explicit VerifyGreedyChain(mx::Stream stream, bool has_bias = false)
+      : mx::UnaryPrimitive(stream), has_bias_(has_bias) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
@@ -46,10 +49,17 @@ class VerifyGreedyChain : public mx::UnaryPrimitive {
     return "VerifyGreedyChain";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return true;
+    return has_bias_ ==
+        static_cast<const VerifyGreedyChain&>(other).has_bias_;
+  }
+  bool has_bias() const {
+    return has_bias_;
   }
   std::vector<mx::Shape> output_shapes(
       const std::vector<mx::array>& inputs) override;
+
+ private:
+  bool has_bias_;
 };
 
 } // namespace mtplx

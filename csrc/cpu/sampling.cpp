@@ -13,6 +13,7 @@
 #include "cpu/fused_common.h"
 #include "cpu/half_bits.h"
 #include "cpu/row_argmax.h"
+#include "cpu/logit_bias.h"
 #include "cpu/row_jobs.h"
 #include "cpu/thread_pool.h"
 #include "mtplx_rules.h"
@@ -1203,8 +1204,9 @@ using cpu::uniform_at;
 void SampleTokens::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto job = [has_counts = has_counts_, has_extra = has_extra_](
-                 std::vector<mx::array>& in, mx::array& out) {
+  auto job = [has_counts = has_counts_,
+              has_extra = has_extra_,
+              has_bias = has_bias_](std::vector<mx::array>& in, mx::array& out) {
     auto& logits = in[0];
     const int B = logits.shape(0);
     const int V = logits.shape(1);
@@ -1213,6 +1215,7 @@ void SampleTokens::eval_cpu(
     const int32_t* counts = has_counts ? in[3].data<int32_t>() : nullptr;
     const mx::array* extra = has_extra ? &in[has_counts ? 4 : 3] : nullptr;
     const int E = extra ? extra->shape(1) : 0;
+    const int bias_at = 3 + int(has_counts) + int(has_extra);
     const char* base = static_cast<const char*>(logits.data<void>());
     const size_t rb = row_bytes(logits, V);
     const mx::Dtype dt = logits.dtype();
@@ -1227,9 +1230,11 @@ void SampleTokens::eval_cpu(
       }
       auto s = cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
       cpu::RowDist d;
+      const cpu::LogitRow row = cpu::biased_row(
+          base + b * rb, dt, V, cpu::RowBias::of(in, bias_at, has_bias, b), 0);
       bool ok = builder.build(
-          base + b * rb,
-          dt,
+          row.data,
+          row.dtype,
           counts ? counts + size_t(b) * V : nullptr,
           {ex, std::min(E, kMaxExtraTokens)},
           s,

@@ -9,6 +9,7 @@
 
 #include "cpu/chain_bundle.h"
 #include "cpu/fused_common.h"
+#include "cpu/logit_bias.h"
 #include "cpu/row_jobs.h"
 #include "cpu/sampling.h"
 #include "mtplx_rules.h"
@@ -19,8 +20,9 @@ namespace mtplx {
 void VerifySampledChain::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto job = [has_counts = has_counts_, variant = variant_](
-                 std::vector<mx::array>& in, mx::array& out) {
+  auto job = [has_counts = has_counts_,
+              variant = variant_,
+              has_bias = has_bias_](std::vector<mx::array>& in, mx::array& out) {
     auto& vl = in[0];
     auto& dl = in[1];
     auto& tokens = in[2];
@@ -36,8 +38,21 @@ void VerifySampledChain::eval_cpu(
     const char* dbase = static_cast<const char*>(dl.data<void>());
     const size_t rb = cpu::row_bytes(vl, V);
     const mx::Dtype dt = vl.dtype();
+    const int bias_at = 5 + int(has_counts);
     int32_t* o = out.data<int32_t>();
     auto run_row = [&](int b) {
+      // Every target and draft row of this stream is read with its bias
+      // (scratch slots: 0 target, 1 draft, 2 the broken variants' extra
+      // rows); the variants drop it where they say.
+      const cpu::RowBias bias = cpu::RowBias::of(in, bias_at, has_bias, b);
+      const cpu::RowBias q_bias =
+          variant == ChainVariant::kBiasNotInDraft ? cpu::RowBias{} : bias;
+      auto vrow_at = [&](int j, int slot, const cpu::RowBias& rbias) {
+        return cpu::biased_row(vbase + (size_t(b) * T + j) * rb, dt, V, rbias, slot);
+      };
+      auto drow_at = [&](int j, const cpu::RowBias& rbias) {
+        return cpu::biased_row(dbase + (size_t(b) * K + j) * rb, dt, V, rbias, 1);
+      };
       // ex = (x0, d_1..d_K): position i counts its first i entries.
       int64_t ex[kMaxExtraTokens];
       for (int j = 0; j < T; ++j) {
@@ -49,7 +64,6 @@ void VerifySampledChain::eval_cpu(
       const float* ur = u + size_t(b) * UC;
       const int32_t* cr = counts ? counts + size_t(b) * V : nullptr;
       const char* vrow = vbase + size_t(b) * T * rb;
-      const char* drow = dbase + size_t(b) * K * rb;
       const auto s =
           cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
       if (x0 >= 0 && x0 < V) {
@@ -61,16 +75,18 @@ void VerifySampledChain::eval_cpu(
         cpu::SeenPrefix prev{};
         n = 0;
         for (int i = 1; i <= K; ++i) {
-          if (!bp.build(vrow + size_t(i - 1) * rb, dt, cr, {ex, i}, s, p, prev)) {
+          const cpu::LogitRow pr = vrow_at(i - 1, 0, bias);
+          if (!bp.build(pr.data, pr.dtype, cr, {ex, i}, s, p, prev)) {
             n = kInvalid;
             break;
           }
           const int64_t d = ex[i];
           // A draft outside the vocabulary or an unusable draft row is only
           // a bad proposal: acceptance probability 0.
+          const cpu::LogitRow qr = drow_at(i - 1, q_bias);
           const bool q_ok = d >= 0 && d < V &&
-              bq.build(drow + size_t(i - 1) * rb,
-                       dt,
+              bq.build(qr.data,
+                       qr.dtype,
                        cr,
                        {ex, i},
                        s,
@@ -81,7 +97,8 @@ void VerifySampledChain::eval_cpu(
           if (q_ok && variant == ChainVariant::kAcceptWithNextTarget) {
             cpu::RowDistBuilder& bx = cpu::cached_builder(2, V);
             cpu::RowDist px;
-            pd = bx.build(vrow + size_t(i) * rb, dt, cr, {ex, i}, s, px)
+            const cpu::LogitRow xr = vrow_at(i, 2, bias);
+            pd = bx.build(xr.data, xr.dtype, cr, {ex, i}, s, px)
                 ? px.weight_of(int(d)) / px.total
                 : 0.0;
           }
@@ -93,6 +110,12 @@ void VerifySampledChain::eval_cpu(
             continue;
           }
           const double uq = cpu::uniform_at(ur, chain_uniform_resample(K));
+          cpu::RowDist p_unbiased;
+          if (variant == ChainVariant::kBiasNotInResidual) {
+            cpu::RowDistBuilder& bx = cpu::cached_builder(2, V);
+            bx.build(vrow + size_t(i - 1) * rb, dt, cr, {ex, i}, s, p_unbiased);
+            p = p_unbiased;
+          }
           c[i - 1] = q_ok
               ? cpu::sample_residual(
                     p,
@@ -106,9 +129,12 @@ void VerifySampledChain::eval_cpu(
         if (n == K) {
           // Every draft accepted: the bonus from p_{K+1}.
           const double ub = cpu::uniform_at(ur, chain_uniform_bonus(K));
+          const cpu::LogitRow br = variant == ChainVariant::kBonusFromDraft
+              ? drow_at(K - 1, bias)
+              : vrow_at(K, 0, bias);
           const bool ok = variant == ChainVariant::kBonusFromDraft
-              ? bp.build(drow + size_t(K - 1) * rb, dt, cr, {ex, T}, s, p)
-              : bp.build(vrow + size_t(K) * rb, dt, cr, {ex, T}, s, p, prev);
+              ? bp.build(br.data, br.dtype, cr, {ex, T}, s, p)
+              : bp.build(br.data, br.dtype, cr, {ex, T}, s, p, prev);
           if (ok) {
             c[K] = cpu::sample_row(p, ub);
           } else {

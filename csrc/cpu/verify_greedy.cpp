@@ -4,6 +4,7 @@
 
 #include "cpu/chain_bundle.h"
 #include "cpu/fused_common.h"
+#include "cpu/logit_bias.h"
 #include "cpu/row_argmax.h"
 #include "cpu/row_jobs.h"
 #include "mlx/dtype.h"
@@ -91,7 +92,7 @@ constexpr double kArgmaxNsPerLogit = 0.3;
 void VerifyGreedyChain::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto job = [](std::vector<mx::array>& in, mx::array& out) {
+  auto job = [has_bias = has_bias_](std::vector<mx::array>& in, mx::array& out) {
     const mx::array& logits = in[0];
     const mx::array& tokens = in[1];
     const int B = logits.shape(0);
@@ -108,7 +109,14 @@ void VerifyGreedyChain::eval_cpu(
       int n = kInvalid;
       if (x0 >= 0 && x0 < V) {
         const char* r0 = base + size_t(b) * T * rb;
-        cpu::RowArgmax a = argmax_row(r0, dt, V);
+        const cpu::RowBias bias = cpu::RowBias::of(in, 2, has_bias, b);
+        // Row j with its bias (a float32 copy only when the bias touches it).
+        auto argmax_at = [&](int j) {
+          const cpu::LogitRow r =
+              cpu::biased_row(r0 + size_t(j) * rb, dt, V, bias, 0);
+          return argmax_row(r.data, r.dtype, V);
+        };
+        cpu::RowArgmax a = argmax_at(0);
         n = a.valid ? 0 : kInvalid;
         // Row i is read only once d_1..d_i all matched: a broken row past
         // the first mismatch cannot affect the commit.
@@ -117,7 +125,7 @@ void VerifyGreedyChain::eval_cpu(
           if (d != a.index) {
             break;
           }
-          cpu::RowArgmax next = argmax_row(r0 + size_t(n + 1) * rb, dt, V);
+          cpu::RowArgmax next = argmax_at(n + 1);
           if (!next.valid) {
             n = kInvalid;
             break;

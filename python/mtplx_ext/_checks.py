@@ -181,3 +181,25 @@ def _pow2(n: int) -> str:
 def as_depth(depth: object) -> int:
     """Drafts per cycle: an int in [1, MAX_DRAFTS] (TypeError / ValueError naming `depth`)."""
     return as_int("depth", depth, lo=1, hi=MAX_DRAFTS + 1)
+
+
+def require_logit_bias(value: object, batch: int) -> tuple[mx.array, mx.array] | None:
+    """Checks a padded per-row logit bias: None, or (ids [B, M] integer, values [B, M] floating), M >= 1.
+
+    Entry (b, e) adds values[b, e] to the logit of ids[b, e] in row b; an id
+    outside [0, V) adds nothing (-1 pads a row). The kernels check the same;
+    this names the argument before any graph is built.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise TypeError(
+            f"logit_bias must be None or a pair (ids, values) of [B, M] arrays, got {type(value).__name__}"
+        )
+    ids = require_array("logit_bias ids", value[0])
+    values = require_array("logit_bias values", value[1])
+    if ids.ndim != 2 or ids.shape[0] != batch or ids.shape[1] < 1:
+        raise ValueError(f"logit_bias ids must have shape [B, M] with B = {batch} and M >= 1, got {tuple(ids.shape)}")
+    require_kind("logit_bias ids", ids, tuple(ids.shape), mx.integer, "an integer")
+    require_kind("logit_bias values", values, tuple(ids.shape), mx.floating, "a floating")
+    return ids, values

@@ -60,4 +60,15 @@ def check_stops(stop: Sequence[str] | str, has_tokenizer: bool) -> tuple[str, ..
     return stops
 
 
-__all__ = ["KV_BLOCK", "capacity", "check_context", "model_context", "check_stops", "fits", "request_need"]
+__all__ = ["KV_BLOCK", "capacity", "check_context", "check_logit_bias", "model_context", "check_stops", "fits", "request_need"]
+
+
+def check_logit_bias(sampler: object, vocab: int) -> None:
+    """A logit bias may only name tokens of the vocabulary (the rest is checked by `SamplerConfig`).
+
+    Raises:
+        ValueError: naming `sampler.logit_bias` and the first id outside [0, vocab).
+    """
+    for t, _ in getattr(sampler, "logit_bias", ()):
+        if not 0 <= t < vocab:
+            raise ValueError(f"sampler.logit_bias names token id {t}, outside the vocabulary [0, {vocab})")

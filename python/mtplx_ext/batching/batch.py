@@ -20,6 +20,7 @@ from mtplx_ext.cache.rows import RowState
 from mtplx_ext.engine.cycle import Cycle
 from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
 from mtplx_ext.engine.streams import Streams
+from mtplx_ext.sampling import MAX_LOGIT_BIAS
 
 
 @dataclass
@@ -89,8 +90,8 @@ def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> 
     cache = runtime.make_cache([0], ragged=True, capacity=cap)
     head = runtime.make_head_cache([0], ragged=True, capacity=cap, depth=depth) if mtp else None
     s = r.sampler
-    policy: Any = GreedyPolicy() if s.greedy and not s.has_penalties else SampledPolicy(s, row_seeds=[r.seed])
-    return Cycle(runtime, policy, cache, head, depth, per_stream=mtp)
+    policy: Any = GreedyPolicy([s]) if s.greedy and not s.has_penalties else SampledPolicy(s, row_seeds=[r.seed])
+    return Cycle(runtime, policy, cache, head, depth, per_stream=mtp, logprobs=r.logprobs is not None)
 
 
 def batch_streams(reqs: Sequence[Request], vocab: int, depth: int, mtp: bool, stats: Any) -> Streams:
@@ -119,18 +120,25 @@ class Batch:
         kind: "greedy", "sampled" or "penalties" (`batch_kind`).
         depth: drafts per cycle.
         mtp: MTP decoding (False: plain).
+        biased: some row has a logit bias: the policy holds a [B,
+            MAX_LOGIT_BIAS] bias (rows without one pad it), a fixed shape
+            for the compiled steps.
+        logprobs: some row asked for logprobs: every cycle computes them
+            (`Cycle(logprobs=True)`).
     """
 
-    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool):
+    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool, biased: bool = False,
+                 logprobs: bool = False):
         self.B, self.cap, self.kind = B, cap, kind
+        width = MAX_LOGIT_BIAS if biased else None
         pads = [0] * B
         self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
         self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=depth) if mtp else None
         if kind == "greedy":
-            self.policy: Any = GreedyPolicy()
+            self.policy: Any = GreedyPolicy.slots(B, width)
         else:
-            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties")
-        self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp)
+            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties", bias_width=width)
+        self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp, logprobs=logprobs)
         self.compiled = False
 
     def caches(self) -> list[list]:

@@ -23,6 +23,7 @@ from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, pre
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request, batch_kind
 from mtplx_ext.batching.runner import EngineThread
+from mtplx_ext.batching.token_logprobs import check_logprobs, cycle_entries, prefill_entry
 from mtplx_ext.engine import session
 from mtplx_ext.engine.autodepth import AUTO
 from mtplx_ext.engine.cycle import Cycle
@@ -78,7 +79,6 @@ class Engine:
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
         self.mtp = bool(use_mtp)
         if depth == AUTO:  # the fastest depth for a full batch here (0: plain decoding)
-            self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
             chosen = auto_depth(runtime, self.max_batch) if self.mtp else 1
             self.mtp, depth = self.mtp and chosen > 0, max(chosen, 1)
         self.depth = as_depth(depth)
@@ -108,7 +108,7 @@ class Engine:
         self._ready: list[Request] = []  # prefilled, not merged yet
         self._live: list[Request] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
-        self._batches: dict[tuple[int, int, str], Batch] = {}
+        self._batches: dict[tuple[int, int, str, bool, bool], Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
@@ -132,6 +132,7 @@ class Engine:
         stop: Sequence[str] | str = (),
         seed: int | None = None,
         on_event: Callable[[Event], None] | None = None,
+        logprobs: int | None = None,
     ) -> Request:
         """Queues a request; it is admitted at a later engine step.
 
@@ -143,6 +144,7 @@ class Engine:
             stop: strings that end the request (cut from its text; needs a tokenizer).
             seed: the sampled path's seed (None: a random one).
             on_event: called with each `Event` on the engine's thread (keep it short).
+            logprobs: None, or alternatives per token (0..20): each token's logprob (`token_logprobs`).
 
         Raises:
             TypeError / ValueError: naming the bad argument; a request that
@@ -156,6 +158,8 @@ class Engine:
             sampler = SamplerConfig(temperature=0.0)
         if not isinstance(sampler, SamplerConfig):
             raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
+        admission.check_logit_bias(sampler, self.vocab)
+        logprobs = check_logprobs(logprobs)
         stop_ids = as_stop_ids(stop_token_ids, self.vocab)
         stops = admission.check_stops(stop, self.tokenizer is not None)
         seed = as_seed("seed", seed)
@@ -165,7 +169,7 @@ class Engine:
             raise TypeError("on_event must be callable or None")
         admission.check_context(len(prompt), max_tokens, self.context)
         req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
-                      depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer)
+                      depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer, logprobs=logprobs)
         req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
         if admission.capacity(req.need) > self.max_kv_slots:
             raise ValueError(
@@ -311,7 +315,7 @@ class Engine:
         x0 = int(np.array(tokens)[0, 0])
         r.cycles = 0
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
-                          valid=0 <= x0 < self.vocab)
+                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, cyc.prefill_logprobs))
         if r.finish_reason is not None:
             return
         r.x0_committed = self.mtp
@@ -355,10 +359,10 @@ class Engine:
         for r in new:
             r.row = None
         rows = merge_rows(parts, cap, kind, self.mtp, self.vocab)
-        key = (B, cap, kind)
+        key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs))
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp)
+            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp, *key[3:])
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
@@ -411,8 +415,9 @@ class Engine:
     def _read(self, p: Any) -> None:
         """The cycle's one host read, then each live stream's commit."""
         st, reqs = self._streams, self._live
-        try:
-            b = np.array(p.bundle)
+        try:  # one wait: the logprobs (if any) are computed with the bundle
+            mx.eval(p.bundle, *([p.logprobs] if p.logprobs is not None else []))
+            b, lp = np.array(p.bundle), None if p.logprobs is None else np.array(p.logprobs)
         except Exception as e:  # noqa: BLE001
             self._fail_batch(e)
             return
@@ -424,26 +429,26 @@ class Engine:
             if r.finish_reason is not None or st.done[i]:
                 continue
             try:
-                if self.mtp:
-                    _, new, reason = st.decide_stream(b, i)
-                else:
-                    _, new, reason = st.decide_plain_stream(b, i)
+                dropped = bool(st.x0_committed[i])
+                _, new, reason = (st.decide_stream if self.mtp else st.decide_plain_stream)(b, i)
             except Exception as e:  # noqa: BLE001
                 st.done[i] = True
                 self._fail(r, e)
                 continue
             r.cycles += 1
-            self._commit_host(r, new, reason)
+            n = int(b[i, 1]) if self.mtp else None
+            self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
 
     # -- host side of a request ---------------------------------------------------
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True) -> None:
+    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
         if not valid:
             self._fail(r, RuntimeError(f"request {r.id}: invalid first token (non-finite logits)"))
             return
         if r.first_token_s is None and new:
             r.first_token_s = time.perf_counter()
         r.tokens.extend(new)
+        r.token_logprobs.extend(lp or ())
         self.counters["generated_tokens"] += len(new)
         text = ""
         if r.detok is not None:
@@ -451,7 +456,7 @@ class Engine:
             if cut:
                 reason = "stop"
         try:
-            r.emit(Event("tokens", tokens=list(new), text=text))
+            r.emit(Event("tokens", tokens=list(new), text=text, logprobs=lp))
         except Exception as e:  # noqa: BLE001 - a failing callback fails its request only
             self._fail(r, e)
             return
@@ -480,17 +485,10 @@ class Engine:
         """Counters and MTP statistics (thread-safe enough to read from handlers)."""
         s = self.stats
         return {
-            **self.counters,
-            "live_streams": len(self._live),
-            "waiting": len(self._waiting),
-            "kv_slots": self.kv_slots,
-            "max_batch": self.max_batch,
-            "max_kv_slots": self.max_kv_slots,
-            "depth": self.depth if self.mtp else 0,
-            "cycles": s.cycles,
-            "acceptance": s.acceptance_rate,
-            "acceptance_per_depth": s.acceptance_per_depth,
-            "mean_accepted_length": s.mean_accepted_length,
+            **self.counters, "live_streams": len(self._live), "waiting": len(self._waiting),
+            "kv_slots": self.kv_slots, "max_batch": self.max_batch, "max_kv_slots": self.max_kv_slots,
+            "depth": self.depth if self.mtp else 0, "cycles": s.cycles, "acceptance": s.acceptance_rate,
+            "acceptance_per_depth": s.acceptance_per_depth, "mean_accepted_length": s.mean_accepted_length,
             **self.prefix.metrics(),
         }
 

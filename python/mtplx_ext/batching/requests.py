@@ -30,6 +30,8 @@ class Event:
         text: newly final text (with a tokenizer; stop strings cut it).
         finish_reason: "stop", "length" or "cancelled" ("done").
         error: the message ("error").
+        logprobs: per token, (logprob, [(id, logprob)] alternatives), when
+            the request asked (`token_logprobs`); else None.
     """
 
     kind: str
@@ -37,6 +39,7 @@ class Event:
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Request:
@@ -52,6 +55,9 @@ class Request:
         stats: the request's own MTP statistics (`DraftStats`).
         cycles: decode cycles its row ran in.
         submitted_s, first_token_s, finished_s: `time.perf_counter()` stamps.
+        logprobs: None, or the alternatives per token it asked for (0..20).
+        token_logprobs: per committed token, (logprob, alternatives): the
+            raw log-softmax of the target's logits (`engine.logprobs`).
     """
 
     def __init__(
@@ -66,8 +72,12 @@ class Request:
         on_event: Callable[[Event], None] | None,
         depth: int = 0,
         tokenizer: Any = None,
+        logprobs: int | None = None,
     ):
         self.id = rid
+        self.logprobs = logprobs
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.lp_next: Any = None  # the entry of the next x0 (engine thread)
         self.prompt = prompt
         self.sampler = sampler
         self.max_tokens = max_tokens

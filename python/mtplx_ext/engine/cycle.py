@@ -45,6 +45,7 @@ from mtplx_ext.ops import gated_delta
 from mtplx_ext.cache.compiled_step import CompiledStep
 from mtplx_ext.engine import bundle as chain
 from mtplx_ext.engine.drafter import make_drafter, model_tokens
+from mtplx_ext.engine.logprobs import packed_logprobs
 
 #: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
 PREFILL_STEP = 2048
@@ -90,6 +91,9 @@ class Pending:
     next_info: Any = None
     # Per-stream commit on hybrid trunks: the recurrent layers' captures.
     capture: gated_delta.Capture | None = None
+    # [B, T, logprobs.COLUMNS] logprobs of the verified positions' tokens
+    # (c_1..c_T, or the plain pick), when the cycle computes them.
+    logprobs: mx.array | None = None
 
 
 class Cycle:
@@ -104,6 +108,9 @@ class Cycle:
         per_stream: per-stream commit instead of uniform repair (recurrent
             layers are captured during verification; needs
             `gated_delta.route_gated_delta()` active on hybrid trunks).
+        logprobs: also compute the committed tokens' logprobs from the
+            verification (or plain step, or prefill) logits
+            (`engine.logprobs`): `Pending.logprobs`, `prefill_logprobs`.
     """
 
     def __init__(
@@ -114,7 +121,10 @@ class Cycle:
         head_cache: list | None,
         depth: int = 1,
         per_stream: bool = False,
+        logprobs: bool = False,
     ):
+        self.logprobs = logprobs
+        self.prefill_logprobs: mx.array | None = None
         self.rt = runtime
         self.policy = policy
         self.cache = cache
@@ -168,6 +178,8 @@ class Cycle:
             if s != starts[-1]:
                 yield
         x0 = self.policy.pick(logits[:, -1], 0)
+        if self.logprobs:
+            self.prefill_logprobs = packed_logprobs(logits[:, -1:], x0[:, None])
         rollback.finish_prefill(self.cache)
         if self.head_cache is None:
             return x0[:, None], None
@@ -183,10 +195,18 @@ class Cycle:
         if self.recurrent and self.per_stream:
             with gated_delta.capture(rollback.recurrent_caches(self.cache)) as cap:
                 logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
-            return Pending(self.policy.verify(logits, tokens, info, step), hidden, capture=cap)
+            return self._with_logprobs(Pending(self.policy.verify(logits, tokens, info, step), hidden, capture=cap),
+                                       logits)
         snap = rollback.snapshot_recurrent(self.cache) if self.recurrent else None
         logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
-        return Pending(self.policy.verify(logits, tokens, info, step), hidden, snap)
+        return self._with_logprobs(Pending(self.policy.verify(logits, tokens, info, step), hidden, snap), logits)
+
+    def _with_logprobs(self, p: Pending, logits: mx.array) -> Pending:
+        # Row j of the verification gives c_{j+1} (accepted draft or the
+        # target's own token): no extra forward.
+        if self.logprobs:
+            p.logprobs = packed_logprobs(logits, chain.committed_tokens(p.bundle))
+        return p
 
     # -- commit --------------------------------------------------------------
 
@@ -238,7 +258,8 @@ class Cycle:
     def plain_step(self, tokens: mx.array, step: Any) -> Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
         logits, _ = self.rt.forward(model_tokens(tokens), self.cache)
-        return Pending(self.policy.pick(logits[:, -1], step)[:, None])
+        tok = self.policy.pick(logits[:, -1], step)[:, None]
+        return Pending(tok, logprobs=packed_logprobs(logits[:, -1:], tok) if self.logprobs else None)
 
     # -- compiled steps ------------------------------------------------------
 
@@ -272,7 +293,7 @@ class Cycle:
         weights = tuple(id(a) for _, a in tree_flatten(self.rt.parameters()))
         policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "_penalties", None))
         layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
-        return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP)
+        return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP, self.logprobs)
 
     def _compile(self, kind: str, unit: Any) -> CompiledStep:
         # A released step of an earlier decode, taken out of the cache: it
@@ -302,10 +323,12 @@ class Cycle:
         # Cycle `step`'s verification, then the drafts for cycle step + 1.
         p = self.verify(tokens, info[0] if info else None, step)
         nxt, nxt_info = self.commit_per_stream(p, step + 1)
-        return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,))
+        lp = (p.logprobs,) if p.logprobs is not None else ()
+        return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,)) + lp
 
-    def _plain_unit(self, step: mx.array, tokens: mx.array) -> mx.array:
-        return self.plain_step(tokens, step).bundle
+    def _plain_unit(self, step: mx.array, tokens: mx.array) -> Any:
+        p = self.plain_step(tokens, step)
+        return p.bundle if p.logprobs is None else (p.bundle, p.logprobs)
 
     @staticmethod
     def _pending_arrays(p: Pending) -> tuple[mx.array, ...]:
@@ -339,10 +362,13 @@ class Cycle:
             self.compiled[kind] = self._compile(kind, self._repair_unit(int(kind[len("repair") :])))
         self.reserve(slots)
         out = self.compiled[kind](mx.array(step, dtype=mx.uint32), *args)
+        lp = None
+        if self.logprobs and kind in ("plain", "stream"):
+            out, lp = out[:-1], out[-1]
         if kind == "plain":
-            return Pending(out)
+            return Pending(out[0] if isinstance(out, (list, tuple)) else out, logprobs=lp)
         if kind == "stream":
-            return Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None)
+            return Pending(out[0], next_tokens=out[1], next_info=out[2] if len(out) > 2 else None, logprobs=lp)
         return Pending(out[0], out[1], self._snapshot(out[2:]))
 
     def launch_first(self, tokens: mx.array, info: Any, slots: int) -> Pending:

@@ -23,8 +23,50 @@ import numpy as np
 from mtplx_ext._checks import as_seed, as_seeds
 from mtplx_ext.engine import bundle as chain
 from mtplx_ext.ops.sampled_verify import sample_tokens, sampler_params, verify_sampled_chain
-from mtplx_ext.sampling import SamplerConfig
+from mtplx_ext.sampling import SamplerConfig, pack_logit_bias
 from mtplx_ext.ops.greedy_verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
+
+#: The two attributes of a policy that hold its rows' padded logit bias.
+BIAS_ATTRS = ("bias_ids", "bias_values")
+
+
+class _BiasRows:
+    """The rows' logit bias on the device: [B, M] ids (-1 pads) and values, or None for no bias.
+
+    The kernels add it to the target and the draft logits alike; a batch
+    keeps M fixed (`width`) so that its compiled steps stay valid when other
+    requests' rows are loaded.
+    """
+
+    bias_ids: mx.array | None = None
+    bias_values: mx.array | None = None
+
+    def set_bias(self, samplers: Sequence[SamplerConfig] | None, width: int | None = None) -> None:
+        packed = None if samplers is None else pack_logit_bias(list(samplers), width)
+        if packed is None:
+            self.bias_ids = self.bias_values = None
+        else:
+            self.bias_ids, self.bias_values = mx.array(packed[0]), mx.array(packed[1])
+
+    def reload_bias(self, samplers: Sequence[SamplerConfig]) -> None:
+        """Loads the rows' biases at this policy's width (no-op for a policy without a bias)."""
+        if self.bias_ids is not None:
+            self.set_bias(samplers, int(self.bias_ids.shape[1]))
+
+    @property
+    def logit_bias(self) -> tuple[mx.array, mx.array] | None:
+        if self.bias_ids is None or self.bias_values is None:
+            return None
+        return self.bias_ids, self.bias_values
+
+    def biased(self, logits: mx.array) -> mx.array:
+        """[B, V] logits with the bias added (float32), for a plain argmax draft."""
+        bias = self.logit_bias
+        if bias is None:
+            return logits
+        ids, values = bias
+        rows = mx.arange(logits.shape[0])[:, None]
+        return logits.astype(mx.float32).at[rows, mx.maximum(ids, 0)].add(mx.where(ids >= 0, values, 0.0))
 
 
 class TokenPolicy(Protocol):
@@ -51,12 +93,46 @@ class TokenPolicy(Protocol):
         """The next cycle's x0 (decided, not committed yet)."""
 
 
-class GreedyPolicy:
-    """Temperature 0: argmax choices, drafts accepted while they equal the argmax."""
+class GreedyPolicy(_BiasRows):
+    """Temperature 0: argmax choices, drafts accepted while they equal the argmax.
 
-    state_attrs: tuple[str, ...] = ()
+    With a logit bias (`samplers` holding one, or `slots(B, width)`) every
+    argmax is that of the biased logits: the fused kernels add it.
+    """
+
+    state_attrs: tuple[str, ...] = BIAS_ATTRS
+
+    def __init__(self, samplers: Sequence[SamplerConfig] | None = None):
+        # One config is shared by every row: its bias is packed for B rows at
+        # the first call, when B is known.
+        self._pending = list(samplers) if samplers is not None else None
+
+    def _rows(self, B: int) -> None:
+        if self._pending is not None:
+            cs = self._pending * B if len(self._pending) == 1 else self._pending
+            if len(cs) != B:
+                raise ValueError(f"sampler has {len(cs)} SamplerConfigs for {B} prompts")
+            self.set_bias(cs)
+            self._pending = None
+
+    @classmethod
+    def slots(cls, B: int, bias_width: int | None = None) -> "GreedyPolicy":
+        """A policy for B rows loaded later; `bias_width` gives it a [B, width] bias (no entries yet)."""
+        policy = cls()
+        if bias_width is not None:
+            policy.set_bias([SamplerConfig(temperature=0.0)] * B, bias_width)
+        return policy
 
     def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
+        self._rows(logits.shape[0])
+        bias = self.logit_bias
+        if bias is not None:
+            # The chain primitive as a NaN-safe biased argmax: c_1 is the
+            # argmax of row 0 whatever the draft, n is -1 when it is unusable.
+            b = verify_greedy_chain(
+                mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32), logit_bias=bias
+            )
+            return mx.where(b[:, chain.COL_N] < 0, INVALID, b[:, chain.COL_TOKENS])
         # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
         # argmax of the first row, accept is -1 when that row is unusable.
         b = verify_greedy(mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32))
@@ -65,12 +141,15 @@ class GreedyPolicy:
     def draft(
         self, head_logits: mx.array, step: Any = 0, position: int = 1, prefix: Sequence[mx.array] = ()
     ) -> tuple[mx.array, Any]:
-        # A plain argmax: a draft from unusable head logits is only a wrong
-        # proposal, which verification rejects.
-        return mx.argmax(head_logits, axis=-1).astype(mx.int32), None
+        # A plain argmax (of the biased head logits: a draft the bias
+        # forces is likelier to be accepted): a draft from unusable head
+        # logits is only a wrong proposal, which verification rejects.
+        self._rows(head_logits.shape[0])
+        return mx.argmax(self.biased(head_logits), axis=-1).astype(mx.int32), None
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any = 0) -> mx.array:
-        return verify_greedy_chain(verify_logits, tokens)
+        self._rows(verify_logits.shape[0])
+        return verify_greedy_chain(verify_logits, tokens, logit_bias=self.logit_bias)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         pass
@@ -80,7 +159,8 @@ class GreedyPolicy:
 
     def load_rows(self, seeds: Sequence[int], samplers: Sequence[Any], step_base: Sequence[int],
                   x0: mx.array, counts: mx.array | None) -> None:
-        """Greedy rows carry no per-stream device state: nothing to load."""
+        """Greedy rows carry no per-stream device state but their logit bias."""
+        self.reload_bias(samplers)
 
     def unload_rows(self) -> None:
         """Greedy rows carry no per-stream device state."""
@@ -105,7 +185,7 @@ def row_keys(seeds: Sequence[int]) -> mx.array:
     return mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
 
 
-class SampledPolicy:
+class SampledPolicy(_BiasRows):
     """Exact speculative sampling for `SamplerConfig`s (one shared, or one per stream).
 
     x0 and the drafts come from `sample_tokens`; verification accepts draft
@@ -124,9 +204,15 @@ class SampledPolicy:
     Penalty counts (generated tokens only) live on the device as a [B, V]
     int32 array updated from each bundle, kept only when some stream has a
     penalty; draft position i sees them plus x0 and d_1..d_{i-1}.
+
+    Logit bias (`SamplerConfig.logit_bias`): a [B, M] padded pair on the
+    device when some stream has one; x0, the drafts and both sides of the
+    verification (p and q) are computed from the biased logits, so q is the
+    distribution each draft was drawn from and the commits follow the biased
+    target.
     """
 
-    state_attrs = ("counts", "x0", "_keys", "_params", "step_base")
+    state_attrs = ("counts", "x0", "_keys", "_params", "step_base", *BIAS_ATTRS)
 
     def __init__(
         self,
@@ -183,18 +269,22 @@ class SampledPolicy:
         self._params = sampler_params(self.configs, B)
         cs = self._configs if self._configs is not None else [self._shared]
         self._penalties = any(c.has_penalties for c in cs)
+        self.set_bias(self._configs if self._configs is not None else [self._shared] * B)
         self._ready = True
 
     @classmethod
-    def slots(cls, B: int, vocab: int, penalties: bool) -> "SampledPolicy":
+    def slots(cls, B: int, vocab: int, penalties: bool, bias_width: int | None = None) -> "SampledPolicy":
         """A policy for B rows whose streams are loaded later (`load_rows`), as a scheduler uses it.
 
         Its arrays have their final shapes from the start, so a step compiled
-        with it stays valid when other streams' rows are loaded.
+        with it stays valid when other streams' rows are loaded;
+        `bias_width` gives it a [B, width] logit bias.
         """
         policy = cls([SamplerConfig()] * B, row_seeds=[0] * B)
         policy._setup(B, vocab)
         policy._penalties = bool(penalties)
+        if bias_width is not None:
+            policy.set_bias([SamplerConfig()] * B, bias_width)
         return policy
 
     def load_rows(
@@ -219,6 +309,7 @@ class SampledPolicy:
             raise ValueError(f"load_rows: {B} seeds, {len(samplers)} samplers, {len(step_base)} step bases")
         self._keys = row_keys(seeds)
         self._params = sampler_params(list(samplers), B)
+        self.reload_bias(samplers)
         self.step_base = mx.array([s % 2**32 for s in step_base], dtype=mx.uint32)
         self.x0 = x0
         self.counts = counts if self._penalties else None
@@ -264,7 +355,7 @@ class SampledPolicy:
                 # Plain decoding: the previous pick is now committed.
                 self.counts = self._add(self.counts, self.x0)
         u = self.uniforms(step, [_CALL_PICK])[:, 0]
-        tok = sample_tokens(logits, u, self._params, token_counts=self.counts)
+        tok = sample_tokens(logits, u, self._params, token_counts=self.counts, logit_bias=self.logit_bias)
         self.x0, self.x0_is_bonus = tok, False
         return tok
 
@@ -275,7 +366,9 @@ class SampledPolicy:
         self._setup(B, V)
         u = self.uniforms(step, [_CALL_DRAFT], position)[:, 0]
         extra = mx.stack(list(prefix), axis=1) if self._penalties and len(prefix) else None
-        d = sample_tokens(head_logits, u, self._params, token_counts=self.counts, extra_tokens=extra)
+        d = sample_tokens(
+            head_logits, u, self._params, token_counts=self.counts, extra_tokens=extra, logit_bias=self.logit_bias
+        )
         return d, head_logits
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: mx.array, step: Any = 0) -> mx.array:
@@ -286,7 +379,9 @@ class SampledPolicy:
         u = mx.concatenate(
             accepts + [self.uniforms(step, [_CALL_RESAMPLE]), self.uniforms(step + 1, [_CALL_PICK])], axis=1
         )
-        return verify_sampled_chain(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
+        return verify_sampled_chain(
+            verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts, logit_bias=self.logit_bias
+        )
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         """Counts x0 and c_1..c_count as generated; the next x0 is not counted yet."""
@@ -325,7 +420,10 @@ def make_policy(sampler: Any = None, seed: int | None = None, row_seeds: Sequenc
         isinstance(sampler, Sequence) and len(sampler) > 0 and all(isinstance(c, SamplerConfig) for c in sampler)
     ):
         sampled = SampledPolicy(sampler, seed=seed, row_seeds=row_seeds)
-        return GreedyPolicy() if sampled.is_plain_greedy else sampled
+        if not sampled.is_plain_greedy:
+            return sampled
+        cs = [sampler] if isinstance(sampler, SamplerConfig) else list(sampler)
+        return GreedyPolicy(cs) if any(c.has_bias for c in cs) else GreedyPolicy()
     temperature = getattr(sampler, "temperature", None)
     if temperature is None:
         raise TypeError(f"sampler must be None or have a temperature, got {type(sampler).__name__}")

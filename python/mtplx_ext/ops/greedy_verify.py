@@ -5,7 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mtplx_ext import _ext
-from mtplx_ext._checks import MAX_DRAFTS, require_chain_logits, require_int_tokens, require_logits
+from mtplx_ext._checks import (
+    MAX_DRAFTS,
+    require_chain_logits,
+    require_int_tokens,
+    require_logit_bias,
+    require_logits,
+)
 
 #: Columns of the bundle returned by the verify primitives.
 BUNDLE_COLUMNS = ("x0", "draft", "second", "accept", "bonus")
@@ -62,6 +68,7 @@ def verify_greedy_chain(
     verify_logits: mx.array,
     tokens: mx.array,
     *,
+    logit_bias: tuple[mx.array, mx.array] | None = None,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array:
     """Checks each stream's K chained MTP drafts against the greedy target.
@@ -75,6 +82,9 @@ def verify_greedy_chain(
         verify_logits: [B, K + 1, V] float32/float16/bfloat16 logits of the
             verification forward of [x0, d_1..d_K], K in 1..8.
         tokens: [B, K + 1] integer (x0, d_1..d_K).
+        logit_bias: optional (ids, values) [B, M] pair: a_j is the argmax of
+            row j with values[b, e] added (in float32) to logit ids[b, e];
+            ids outside [0, V) add nothing. CPU stream only.
         stream: MLX stream or device to run on.
 
     Returns:
@@ -89,4 +99,7 @@ def verify_greedy_chain(
     """
     logits, K = require_chain_logits("verify_logits", verify_logits, MAX_CHAIN_DRAFTS)
     tok = require_int_tokens("tokens", tokens, (logits.shape[0], K + 1))
-    return _ext.verify_greedy_chain(logits, tok, stream=stream)
+    bias = require_logit_bias(logit_bias, logits.shape[0])
+    if bias is None:
+        return _ext.verify_greedy_chain(logits, tok, stream=stream)
+    return _ext.verify_greedy_chain(logits, tok, bias[0], bias[1], stream=stream)

@@ -32,6 +32,7 @@ from mtplx_ext._checks import (
     require_chain_logits,
     require_int_tokens,
     require_kind,
+    require_logit_bias,
     require_logits,
 )
 from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
@@ -97,6 +98,7 @@ def sample_tokens(
     *,
     token_counts: mx.array | None = None,
     extra_tokens: mx.array | None = None,
+    logit_bias: tuple[mx.array, mx.array] | None = None,
     stream: mx.Stream | mx.Device | None = None,
 ) -> mx.array:
     """Draws one token per row from the sampler's distribution of its logits.
@@ -110,6 +112,9 @@ def sample_tokens(
         extra_tokens: optional [B, E] ids (E <= 8) counted once more on top
             of `token_counts` (e.g. x0, d_1..d_{i-1} when sampling the i-th
             chained draft); ids outside [0, V) such as -1 count nothing.
+        logit_bias: optional (ids, values) [B, M] pair: values[b, e] is
+            added to logit ids[b, e] of row b (in float32, before the
+            penalties; ids outside [0, V) add nothing). CPU stream only.
         stream: MLX stream or device to run on.
 
     Returns:
@@ -130,8 +135,11 @@ def sample_tokens(
                 f"got {tuple(extra.shape)}"
             )
         extra = require_int_tokens("extra_tokens", extra, tuple(extra.shape))
+    bias = require_logit_bias(logit_bias, B)
     params = sampler_params(sampler, B)
-    return _ext.sample_tokens(lg, u, params, counts, extra, stream=stream)
+    if bias is None:
+        return _ext.sample_tokens(lg, u, params, counts, extra, stream=stream)
+    return _ext.sample_tokens(lg, u, params, counts, extra, bias[0], bias[1], stream=stream)
 
 
 def verify_sampled(
@@ -199,6 +207,7 @@ def verify_sampled_chain(
     sampler: SamplerArg,
     token_counts: mx.array | None = None,
     *,
+    logit_bias: tuple[mx.array, mx.array] | None = None,
     stream: mx.Stream | mx.Device | None = None,
     _variant: int = 0,
 ) -> mx.array:
@@ -224,6 +233,11 @@ def verify_sampled_chain(
         sampler: SamplerConfig, B of them, or packed [B, 7] parameters.
         token_counts: optional [B, V] integer counts before x0 (negative
             counts act as 0; counts saturate at 2**31 - 1).
+        logit_bias: optional (ids, values) [B, M] pair added to every
+            verification row and every draft row of stream b (as in
+            `sample_tokens`): the target is the biased distribution, and q is
+            the biased draft distribution, since the drafts are sampled with
+            the same bias. CPU stream only.
         stream: MLX stream or device to run on.
         _variant: test-only deliberately broken rules (CPU); 0 is exact.
 
@@ -245,8 +259,14 @@ def verify_sampled_chain(
     tok = require_int_tokens("tokens", tokens, (B, K + 1))
     u = _uniforms("uniforms", uniforms, (B, K + 2))
     counts = _counts(token_counts, (B, V))
+    bias = require_logit_bias(logit_bias, B)
     params = sampler_params(sampler, B)
-    return _ext.verify_sampled_chain(vl, dl, tok, u, params, counts, variant=_variant, stream=stream)
+    if bias is None:
+        return _ext.verify_sampled_chain(vl, dl, tok, u, params, counts, variant=_variant, stream=stream)
+    return _ext.verify_sampled_chain(
+        vl, dl, tok, u, params, counts, variant=_variant, logit_bias_ids=bias[0], logit_bias_values=bias[1],
+        stream=stream,
+    )
 
 
 def row_uniforms(keys: mx.array, n: int) -> mx.array:

@@ -6,13 +6,14 @@ float must be 0 or, rounded to float32, a normal number (magnitude
 1.1754944e-38 to 3.4028235e+38); past that range a value would round to Inf
 or 0 (or a subnormal, which Metal flushes) and silently mean something else.
 `pack_params` gives the [B, 7] float32 rows the fused primitives read
-(`PARAM_COLUMNS`). What the fields mean is the rule in
+(`PARAM_COLUMNS`); `pack_logit_bias` the padded [B, M] (ids, values) pair of
+the per-request `logit_bias`. What the fields mean is the rule in
 `mtplx_ext.sampling.reference`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,50 @@ _FLOAT_RULES = {
 }
 
 
+#: Most logit_bias entries one request may carry (OpenAI's limit), and the
+#: largest magnitude of a bias.
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def check_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """Checks a logit bias ({token id: bias} or (id, bias) pairs); returns sorted (id, bias) pairs.
+
+    Ids are ints >= 0 (the vocabulary bound is checked where the model is
+    known), biases numbers in [-100, 100]; at most `MAX_LOGIT_BIAS` entries,
+    each id once.
+
+    Raises:
+        TypeError / ValueError: naming `SamplerConfig.logit_bias` and the entry.
+    """
+    name = "SamplerConfig.logit_bias"
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise TypeError(f"{name} must be a mapping {{token id: bias}}, got {type(value).__name__}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise ValueError(f"{name} may hold at most {MAX_LOGIT_BIAS} entries, got {len(items)}")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise TypeError(f"{name} entries must be (token id, bias) pairs, got {item!r}")
+        t, b = item
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < 2**31:
+            raise ValueError(f"{name} keys must be token ids (ints >= 0), got {t!r}")
+        if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, float, np.integer, np.floating)):
+            raise TypeError(f"{name}[{int(t)}] must be a number, got {type(b).__name__} {b!r}")
+        if not -LOGIT_BIAS_LIMIT <= float(b) <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"{name}[{int(t)}] must be in [-100, 100], got {b!r}")
+        if int(t) in out:
+            raise ValueError(f"{name} holds token id {int(t)} twice")
+        out[int(t)] = float(b)
+    return tuple(sorted(out.items()))
+
+
 def check_field(name: str, value: object) -> float | int:
     """Checks one SamplerConfig field; returns it as a Python float (int for top_k).
 
@@ -115,6 +160,11 @@ class SamplerConfig:
         frequency_penalty: subtracted per occurrence of a seen token.
         repetition_penalty: divides positive / multiplies negative logits of
             seen tokens; 1 is off. > 0.
+        logit_bias: {token id: bias in [-100, 100]} (or (id, bias) pairs),
+            added to the raw logits in float32 before the penalties, in the
+            target and the draft distributions alike (so MTP stays exact);
+            stored as sorted (id, bias) pairs. +100 all but forces a token,
+            -100 all but bans it.
     """
 
     temperature: float = 1.0
@@ -124,11 +174,13 @@ class SamplerConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in PARAM_COLUMNS:
             # Frozen: normalised values (Python numbers) go in by object.__setattr__.
             object.__setattr__(self, name, check_field(name, getattr(self, name)))
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +195,11 @@ class SamplerConfig:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+    @property
+    def has_bias(self) -> bool:
+        """True when a logit bias changes the logits."""
+        return bool(self.logit_bias)
 
     def as_row(self) -> np.ndarray:
         """The parameters as one float32 row in `PARAM_COLUMNS` order."""
@@ -165,3 +222,29 @@ def pack_params(samplers: SamplerConfig | Sequence[SamplerConfig], batch: int) -
         if not isinstance(s, SamplerConfig):
             raise TypeError(f"sampler[{i}] must be a SamplerConfig, got {type(s).__name__}")
     return np.stack([s.as_row() for s in samplers]).reshape(batch, len(PARAM_COLUMNS))
+
+
+def pack_logit_bias(
+    samplers: Sequence[SamplerConfig], width: int | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The padded [B, M] (ids int32, values float32) bias of one config per row, or None when none has one.
+
+    M is `width` (a batch's fixed shape: compiled steps keep it) or the
+    longest bias rounded up to a multiple of 8; rows pad with id -1, which
+    the kernels skip.
+
+    Raises:
+        ValueError: a bias longer than `width`.
+    """
+    if width is None and not any(s.logit_bias for s in samplers):
+        return None
+    longest = max((len(s.logit_bias) for s in samplers), default=0)
+    M = width if width is not None else max(8, -(-longest // 8) * 8)
+    if longest > M:
+        raise ValueError(f"a logit_bias of {longest} entries does not fit a batch's {M}")
+    ids = np.full((len(samplers), M), -1, np.int32)
+    values = np.zeros((len(samplers), M), np.float32)
+    for b, s in enumerate(samplers):
+        for e, (t, v) in enumerate(s.logit_bias):
+            ids[b, e], values[b, e] = t, v
+    return ids, values

@@ -8,7 +8,11 @@ against.
 Transform order, for one row of logits ``l`` (length V) and the token counts
 ``c`` the penalties see:
 
-1. Penalties on the raw logits, for every token with ``c[t] > 0``:
+0. Logit bias (``SamplerConfig.logit_bias``): ``l[t] = float32(float32(l[t])
+   + float32(bias))`` for each entry, in float32 as the kernels add it, in
+   the target and the draft rows alike (the drafts are sampled with it, so
+   q stays the distribution a draft was drawn from).
+1. Penalties on the (biased) logits, for every token with ``c[t] > 0``:
    ``l = l / repetition if l > 0 else l * repetition``, then
    ``l = l - (frequency * c[t] + presence)``.
 2. Temperature: ``z = l / temperature``. Temperature 0 is greedy: the
@@ -130,9 +134,20 @@ def counts_with(
     return np.minimum(c, MAX_COUNT)
 
 
+def biased_logits(logits: np.ndarray, logit_bias: Sequence[tuple[int, float]]) -> np.ndarray:
+    """Step 0: the logits in float64 with the bias added in float32 (ids outside [0, V) add nothing)."""
+    if not logit_bias:
+        return np.asarray(logits, dtype=np.float64).copy()
+    x = np.asarray(logits).astype(np.float32)
+    for t, v in logit_bias:
+        if 0 <= t < x.shape[-1]:
+            x[..., t] = x[..., t] + np.float32(v)
+    return x.astype(np.float64)
+
+
 def penalised_logits(logits: np.ndarray, sampler: SamplerConfig, token_counts: np.ndarray | None) -> np.ndarray:
-    """Step 1: the raw logits in float64 with the penalties applied."""
-    l = np.asarray(logits, dtype=np.float64).copy()
+    """Steps 0 and 1: the logits in float64 with the bias and the penalties applied."""
+    l = biased_logits(logits, sampler.logit_bias)
     if token_counts is None:
         return l
     c = np.asarray(token_counts, dtype=np.int64)

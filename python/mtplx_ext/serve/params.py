@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mtplx_ext.sampling import SamplerConfig
+from mtplx_ext.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplerConfig
 from mtplx_ext.serve import tools
 from mtplx_ext.serve.errors import BadRequest
 
@@ -38,6 +38,30 @@ def integer(body: dict, name: str) -> int | None:
     return v
 
 
+def logit_bias(body: dict) -> dict[int, float]:
+    """`body["logit_bias"]` ({"token id": bias in [-100, 100]}, OpenAI's form) as {id: bias}; a 400 naming it otherwise.
+
+    Ids past the model's vocabulary are refused by the engine at submit (a
+    400 whose message names `logit_bias`).
+    """
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids (strings) to numbers in [-100, 100]",
+                         "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}", "logit_bias")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 and int(k) < 2**31):
+            raise BadRequest(f"logit_bias keys must be token ids (decimal strings), got {k!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise BadRequest(f"logit_bias[{k!r}] must be a number in [-100, 100], got {b!r}", "logit_bias")
+        out[int(k)] = float(b)
+    return out
+
+
 def submit_args(body: dict, kind: str, eos_ids: tuple[int, ...]) -> dict[str, Any]:
     """The keyword arguments of `Engine.submit` for a completion (`kind="completion"`) or chat body."""
     floats = {k: number(body, k) for k in FLOAT_FIELDS}
@@ -48,6 +72,9 @@ def submit_args(body: dict, kind: str, eos_ids: tuple[int, ...]) -> dict[str, An
             raise BadRequest("top_k must be >= 0 (or -1 for off)", "top_k")
         cfg["top_k"] = max(top_k, 0)
     cfg.setdefault("temperature", 1.0)
+    bias = logit_bias(body)
+    if bias:
+        cfg["logit_bias"] = bias
     try:
         sampler = SamplerConfig(**cfg)
     except (ValueError, TypeError) as e:  # "SamplerConfig.<field> must ...": name the request's field
@@ -111,4 +138,4 @@ def template_prompt(messages: list[dict], tokenizer: Any, chat_tokenizer: Any, t
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "FLOAT_FIELDS", "chat_messages", "chat_prompt", "completion_prompt", "integer",
-           "number", "submit_args", "template_prompt"]
+           "logit_bias", "number", "submit_args", "template_prompt"]
