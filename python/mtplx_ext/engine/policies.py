@@ -10,6 +10,11 @@ numbers, and a stream's draws do not depend on the other streams.
 Per-stream device state (penalty counts, keys) lives in plain attributes
 listed in `state_attrs`: the pipelined loop checkpoints them with the caches,
 and compiled steps take and return them.
+
+Constraints (`engine.constraint`): `mask`, when set, is a [B, K + 1, W]
+int32 bitmask that `pick` (position 0) and `verify` (every position) apply to
+the target logits before anything else, so it is part of the target
+distribution; drafts are never masked (q stays what they were drawn from).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from mtplx_ext._checks import as_seed, as_seeds
 from mtplx_ext.engine import bundle as chain
+from mtplx_ext.engine.constraint import apply_bitmask
 from mtplx_ext.ops.sampled_verify import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig
 from mtplx_ext.ops.greedy_verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
@@ -54,9 +60,11 @@ class TokenPolicy(Protocol):
 class GreedyPolicy:
     """Temperature 0: argmax choices, drafts accepted while they equal the argmax."""
 
-    state_attrs: tuple[str, ...] = ()
+    state_attrs: tuple[str, ...] = ("mask",)
+    mask: mx.array | None = None
 
     def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
+        logits = masked_pick(self.mask, logits)
         # The fused verify primitive doubles as a NaN-safe argmax: x1 is the
         # argmax of the first row, accept is -1 when that row is unusable.
         b = verify_greedy(mx.stack([logits, logits], axis=1), mx.zeros((logits.shape[0], 2), mx.int32))
@@ -70,7 +78,7 @@ class GreedyPolicy:
         return mx.argmax(head_logits, axis=-1).astype(mx.int32), None
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any = 0) -> mx.array:
-        return verify_greedy_chain(verify_logits, tokens)
+        return verify_greedy_chain(masked_verify(self.mask, verify_logits), tokens)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         pass
@@ -85,6 +93,16 @@ class GreedyPolicy:
     def unload_rows(self) -> None:
         """Greedy rows carry no per-stream device state."""
         return None
+
+
+def masked_pick(mask: mx.array | None, logits: mx.array) -> mx.array:
+    """[B, V] logits under position 0 of a constraint mask (unchanged without one)."""
+    return logits if mask is None else apply_bitmask(logits, mask[:, 0])
+
+
+def masked_verify(mask: mx.array | None, logits: mx.array) -> mx.array:
+    """[B, T, V] verification logits under a constraint mask's first T positions."""
+    return logits if mask is None else apply_bitmask(logits, mask[:, : logits.shape[1]])
 
 
 #: Uniform streams of a sampled decode: one key per (row, step, call, position).
@@ -126,7 +144,7 @@ class SampledPolicy:
     penalty; draft position i sees them plus x0 and d_1..d_{i-1}.
     """
 
-    state_attrs = ("counts", "x0", "_keys", "_params", "step_base")
+    state_attrs = ("counts", "x0", "_keys", "_params", "step_base", "mask")
 
     def __init__(
         self,
@@ -157,6 +175,8 @@ class SampledPolicy:
         # own cycle). A scheduler that admits a stream at cycle g sets g - 1,
         # so the stream draws the numbers it would draw decoded alone.
         self.step_base: mx.array | None = None
+        # [B, K + 1, W] constraint bitmask of the next step, or None.
+        self.mask: mx.array | None = None
 
     @property
     def configs(self) -> list[SamplerConfig] | SamplerConfig:
@@ -264,6 +284,7 @@ class SampledPolicy:
                 # Plain decoding: the previous pick is now committed.
                 self.counts = self._add(self.counts, self.x0)
         u = self.uniforms(step, [_CALL_PICK])[:, 0]
+        logits = masked_pick(self.mask, logits)
         tok = sample_tokens(logits, u, self._params, token_counts=self.counts)
         self.x0, self.x0_is_bonus = tok, False
         return tok
@@ -286,6 +307,7 @@ class SampledPolicy:
         u = mx.concatenate(
             accepts + [self.uniforms(step, [_CALL_RESAMPLE]), self.uniforms(step + 1, [_CALL_PICK])], axis=1
         )
+        verify_logits = masked_verify(self.mask, verify_logits)
         return verify_sampled_chain(verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
