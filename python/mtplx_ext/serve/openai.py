@@ -19,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import params
+from mtplx_ext.serve import params, structured
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
@@ -35,6 +35,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         else:
             prompt = params.completion_prompt(body, api.tokenizer)
         args = params.submit_args(body, kind, api.eos_ids)
+        args["constraint"] = structured.constraint(body, api)  # response_format, forced tool calls
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
