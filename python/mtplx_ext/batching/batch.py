@@ -15,8 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtplx_ext.batching import constrained
 from mtplx_ext.batching.requests import Request
 from mtplx_ext.cache.rows import RowState
+from mtplx_ext.engine.constraint import mask_words
 from mtplx_ext.engine.cycle import Cycle
 from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
 from mtplx_ext.engine.streams import Streams
@@ -117,7 +119,8 @@ class Batch:
         runtime: the `MTPRuntime`.
         B: rows.
         cap: KV slots per row.
-        kind: "greedy", "sampled" or "penalties" (`batch_kind`).
+        kind: "greedy", "sampled" or "penalties" (`batch_kind`), with
+            `constrained.MASKED` appended when rows carry constraint masks.
         depth: drafts per cycle.
         mtp: MTP decoding (False: plain).
         biased: some row has a logit bias: the policy holds a [B,
@@ -134,10 +137,14 @@ class Batch:
         pads = [0] * B
         self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
         self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=depth) if mtp else None
-        if kind == "greedy":
+        policy_kind = constrained.base_kind(kind)
+        if policy_kind == "greedy":
             self.policy: Any = GreedyPolicy.slots(B, width)
         else:
-            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties", bias_width=width)
+            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=policy_kind == "penalties",
+                                              bias_width=width)
+        if policy_kind != kind:  # constrained rows: the mask is an input of the compiled steps
+            self.policy.mask = mx.full((B, depth + 1 if mtp else 1, mask_words(runtime.vocab_size)), -1, mx.int32)
         self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp, logprobs=logprobs)
         self.compiled = False
 

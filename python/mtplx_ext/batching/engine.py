@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_seed, as_stop_ids
-from mtplx_ext.batching import admission
+from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request, batch_kind
@@ -113,6 +113,7 @@ class Engine:
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
         self._streams: Streams | None = None
+        self._guide: Any = None  # the running batch's constraints (`batching.constrained`), or None
         self.cycle_count = 0
         self.stats = BatchedDecodeResult(depth=self.depth if self.mtp else 0)
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
@@ -133,6 +134,7 @@ class Engine:
         seed: int | None = None,
         on_event: Callable[[Event], None] | None = None,
         logprobs: int | None = None,
+        constraint: Any = None,
     ) -> Request:
         """Queues a request; it is admitted at a later engine step.
 
@@ -145,6 +147,7 @@ class Engine:
             seed: the sampled path's seed (None: a random one).
             on_event: called with each `Event` on the engine's thread (keep it short).
             logprobs: None, or alternatives per token (0..20): each token's logprob (`token_logprobs`).
+            constraint: a `Constraint` (a grammar; `batching.constrained`), used by this request only.
 
         Raises:
             TypeError / ValueError: naming the bad argument; a request that
@@ -170,6 +173,7 @@ class Engine:
         admission.check_context(len(prompt), max_tokens, self.context)
         req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
                       depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer, logprobs=logprobs)
+        req.constraint = constrained.check_constraint(constraint)
         req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
         if admission.capacity(req.need) > self.max_kv_slots:
             raise ValueError(
@@ -295,6 +299,7 @@ class Engine:
     def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
         cyc = prefill_cycle(self.rt, r, cap, self.depth, self.mtp)
+        constrained.start_prefill(cyc, r, self.vocab, self.depth + 1 if self.mtp else 1)
         entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)
         if entry is not None:
             self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
@@ -313,6 +318,7 @@ class Engine:
         # The prefill's token goes out now (time to first token = the prefill),
         # with MTP too: its first cycle's bundle then starts with it again.
         x0 = int(np.array(tokens)[0, 0])
+        constrained.finish_prefill(r, x0, self.mtp)
         r.cycles = 0
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
                           valid=0 <= x0 < self.vocab, lp=prefill_entry(r, cyc.prefill_logprobs))
@@ -346,19 +352,19 @@ class Engine:
         self._live = reqs
         self.counters["recompositions"] += 1
         if not reqs:
-            self._next = self._info = None
+            self._next = self._info = self._guide = None
             self._streams = None
             return
         B = len(reqs)
         cap = admission.capacity(max(r.need for r in reqs))
-        kind = batch_kind(reqs)
+        kind = constrained.batch_kind(reqs, batch_kind(reqs))
         parts: list[tuple[Rows, mx.array | None]] = []
         if keep:
             parts.append((old, mx.array(keep, dtype=mx.int32)))
         parts += [(r.row, None) for r in new]
         for r in new:
             r.row = None
-        rows = merge_rows(parts, cap, kind, self.mtp, self.vocab)
+        rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab)
         key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs))
         batch = self._batches.get(key)
         if batch is None:
@@ -366,6 +372,7 @@ class Engine:
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
+        self._guide = constrained.recomposed(reqs, batch.policy, self._next, self.vocab, self.depth, self.mtp)
         self._streams = batch_streams(reqs, self.vocab, self.depth if self.mtp else 0, self.mtp, self.stats)
 
     #: Launch each cycle before reading the one before it (off: one cycle at a
@@ -397,7 +404,7 @@ class Engine:
             p = self._inflight if self._inflight is not None else self._launch()
             self._inflight = None
             # Unless this cycle may end every stream at its cap.
-            if self.launch_ahead and not self._streams.may_all_finish():
+            if self.launch_ahead and self._guide is None and not self._streams.may_all_finish():
                 self._inflight = self._launch()
                 mx.async_eval(self._inflight.bundle)
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
@@ -415,12 +422,16 @@ class Engine:
     def _read(self, p: Any) -> None:
         """The cycle's one host read, then each live stream's commit."""
         st, reqs = self._streams, self._live
-        try:  # one wait: the logprobs (if any) are computed with the bundle
-            mx.eval(p.bundle, *([p.logprobs] if p.logprobs is not None else []))
+        try:  # one wait: the logprobs (if any) and a constrained batch's next tokens come with the bundle
+            extra = [p.logprobs] if p.logprobs is not None else []
+            if self._guide is not None and p.next_tokens is not None:
+                extra.append(p.next_tokens)
+            mx.eval(p.bundle, *extra)
             b, lp = np.array(p.bundle), None if p.logprobs is None else np.array(p.logprobs)
         except Exception as e:  # noqa: BLE001
             self._fail_batch(e)
             return
+        live = constrained.live_rows(reqs, st)
         self.stats.cycles += 1
         self.stats.forwards += 1
         # Rows the forward computed, finished ones not yet evicted included.
@@ -438,6 +449,8 @@ class Engine:
             r.cycles += 1
             n = int(b[i, 1]) if self.mtp else None
             self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
+        if self._guide is not None:
+            constrained.after_cycle(self._guide, self._batch.policy, p, b, live, reqs, st, self.mtp)
 
     # -- host side of a request ---------------------------------------------------
 

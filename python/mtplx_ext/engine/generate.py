@@ -7,11 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
 from mtplx_ext.engine import autodepth
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine import session
+from mtplx_ext.engine.constraint import Constraint, RowConstraints
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.loop import run_cycles
 from mtplx_ext.engine.policies import make_policy
@@ -36,6 +38,7 @@ def generate_batched(
     serial: bool = False,
     on_commit: OnCommit | None = None,
     enforce_eager: bool = False,
+    constraints: Sequence[Constraint | None] | None = None,
 ) -> BatchedDecodeResult:
     """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle.
 
@@ -75,6 +78,11 @@ def generate_batched(
             traces each kind of step once with `mx.compile` and replays it.
             Same tokens either way, up to float rounding of fused
             element-wise kernels.
+        constraints: one `engine.constraint.Constraint` (a grammar) or None
+            per stream: a constrained stream's target distribution is masked
+            at every position (MTP stays on; `engine.constraint`). The
+            constraint's stop token should be among `stop_token_ids`. Needs
+            compiled steps and per-stream commit; runs the serial loop.
 
     Returns:
         A `BatchedDecodeResult`.
@@ -102,18 +110,28 @@ def generate_batched(
     if use_mtp_draft and not runtime.has_mtp:
         raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     policy = make_policy(sampler, seed, row_seeds)
+    if constraints is not None:
+        constraints = list(constraints)
+        if len(constraints) != len(prompts):
+            raise ValueError(f"constraints has {len(constraints)} entries for {len(prompts)} prompts")
+        if enforce_eager:
+            raise ValueError("constraints need compiled steps (enforce_eager=False)")
+        if not any(c is not None for c in constraints):
+            constraints = None
 
     # One token per stream is the prefill's x0: nothing to draft or verify.
     mtp = use_mtp_draft and max_new_tokens > 1
     recurrent = session.has_recurrent_layers(runtime)
     capturable = recurrent and session.gated_delta_trunk(runtime)
     per_stream = mtp and reject_mode == "repair" and (not recurrent or capturable)
+    if constraints is not None and mtp and not per_stream:
+        raise ValueError("constraints need per-stream commit (reject_mode='repair' on a capturable trunk)")
     route = capturable and (per_stream or getattr(runtime, "cpu_ops_fused", False))
     with session.decode_session(runtime, route):
         compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
-            per_stream, compiled,
+            per_stream, compiled, constraints,
         )
 
 
@@ -129,6 +147,7 @@ def _generate(
     on_commit: OnCommit | None,
     per_stream: bool,
     compiled: bool,
+    constraints: list[Constraint | None] | None = None,
 ) -> BatchedDecodeResult:
     t0 = time.perf_counter()
     lengths = [len(p) for p in prompts]
@@ -144,6 +163,10 @@ def _generate(
     cache = runtime.make_cache(pads, **kw)
     head_cache = runtime.make_head_cache(pads, **kw, depth=depth) if mtp else None
     cyc = Cycle(runtime, policy, cache, head_cache, depth, per_stream)
+    guide = None if constraints is None else RowConstraints(constraints, int(runtime.vocab_size), depth + 1)
+    if guide is not None:
+        policy.mask = guide.current()
+        serial = True
     tokens, info = cyc.prefill(padded)
     # A device barrier (no host read) so prefill and decode times separate.
     mx.eval(tokens, [c.state for c in cyc.caches()[0]])
@@ -152,6 +175,9 @@ def _generate(
     if compiled:
         cyc.compile_steps()
         st.result.compiled = True
+    if guide is not None and mtp:  # the first verification's masks: x0 and the drafts on the host
+        st.result.host_syncs += 1
+        policy.mask = guide.probe(np.array(tokens))
     if not mtp:
         first = Pending(tokens)
     else:
@@ -160,11 +186,14 @@ def _generate(
     if not serial:
         mx.async_eval(first.bundle)
     try:
-        run_cycles(cyc, st, first, mtp, serial)
+        run_cycles(cyc, st, first, mtp, serial, guide)
     finally:
         cyc.release()
+        policy.mask = None
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
+    if guide is not None:
+        st.result.mask_s = guide.mask_s
     return st.result
 
 

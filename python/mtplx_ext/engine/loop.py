@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.cache import rollback
+from mtplx_ext.engine.constraint import RowConstraints
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.streams import Streams
 
@@ -16,9 +17,11 @@ from mtplx_ext.engine.streams import Streams
 _REPAIR_EMA = 0.25
 
 
-def read_bundle(p: Pending, streams: Streams) -> np.ndarray:
-    """The cycle's one blocking host read."""
+def read_bundle(p: Pending, streams: Streams, with_next: bool = False) -> np.ndarray:
+    """The cycle's one blocking host read (with the next cycle's tokens evaluated alongside: `read_next`)."""
     t = time.perf_counter()
+    if with_next and p.next_tokens is not None:
+        mx.eval(p.bundle, p.next_tokens)
     b = np.array(p.bundle)
     streams.result.sync_wait_s += time.perf_counter() - t
     streams.result.host_syncs += 1
@@ -29,7 +32,22 @@ def _decide(st: Streams, b: np.ndarray, mtp: bool):
     return st.decide(b) if mtp else (st.decide_plain(b), None)
 
 
-def run_cycles(cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool) -> None:
+def _constrain(cyc: Cycle, st: Streams, guide: RowConstraints, p: Pending, b: np.ndarray, mtp: bool) -> None:
+    """Moves the rows' constraints along what the cycle committed and masks the next step."""
+    live = ~st.done
+    if mtp:
+        guide.commit_bundle(b, live)
+        cyc.policy.mask = guide.probe(np.array(p.next_tokens), live)
+    else:
+        for i in range(b.shape[0]):
+            if live[i]:
+                guide.commit(i, [int(b[i, 0])])
+        cyc.policy.mask = guide.current()
+
+
+def run_cycles(
+    cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool, guide: RowConstraints | None = None
+) -> None:
     """The decode cycles, serial or pipelined (same graphs, same forwards).
 
     Pipelined, the host builds the next cycle's graph while the device runs
@@ -38,6 +56,10 @@ def run_cycles(cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool)
     along the likelier path (every stream accepts, or the one repair a
     depth-1 cycle can need) and dropped unevaluated when the bundle says
     otherwise: tokens and forwards equal the serial loop's.
+
+    With constraints (`guide`) the loop is serial: the next step's mask
+    needs this cycle's commits and the next x0 and drafts on the host (read
+    with the bundle, one blocking read per cycle).
     """
     res = st.result
     p = first
@@ -46,10 +68,13 @@ def run_cycles(cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool)
     while True:
         res.cycles += 1
         if serial:
-            commits, r = _decide(st, read_bundle(p, st), mtp)
+            b = read_bundle(p, st, with_next=guide is not None)
+            commits, r = _decide(st, b, mtp)
             st.apply(commits)
             if not st.any_live():
                 return
+            if guide is not None:
+                _constrain(cyc, st, guide, p, b, mtp)
         elif not uniform:
             # Launch the next cycle before reading this one, so the device
             # never waits for the host; unless this cycle may end every

@@ -10,6 +10,11 @@ numbers, and a stream's draws do not depend on the other streams.
 Per-stream device state (penalty counts, keys) lives in plain attributes
 listed in `state_attrs`: the pipelined loop checkpoints them with the caches,
 and compiled steps take and return them.
+
+Constraints (`engine.constraint`): `mask`, when set, is a [B, K + 1, W]
+int32 bitmask that `pick` (position 0) and `verify` (every position) apply to
+the target logits before anything else, so it is part of the target
+distribution; drafts are never masked (q stays what they were drawn from).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from mtplx_ext._checks import as_seed, as_seeds
 from mtplx_ext.engine import bundle as chain
+from mtplx_ext.engine.constraint import apply_bitmask
 from mtplx_ext.ops.sampled_verify import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig, pack_logit_bias
 from mtplx_ext.ops.greedy_verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain
@@ -100,7 +106,8 @@ class GreedyPolicy(_BiasRows):
     argmax is that of the biased logits: the fused kernels add it.
     """
 
-    state_attrs: tuple[str, ...] = BIAS_ATTRS
+    state_attrs: tuple[str, ...] = (*BIAS_ATTRS, "mask")
+    mask: mx.array | None = None
 
     def __init__(self, samplers: Sequence[SamplerConfig] | None = None):
         # One config is shared by every row: its bias is packed for B rows at
@@ -125,6 +132,7 @@ class GreedyPolicy(_BiasRows):
 
     def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
         self._rows(logits.shape[0])
+        logits = masked_pick(self.mask, logits)
         bias = self.logit_bias
         if bias is not None:
             # The chain primitive as a NaN-safe biased argmax: c_1 is the
@@ -149,7 +157,7 @@ class GreedyPolicy(_BiasRows):
 
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: Any, step: Any = 0) -> mx.array:
         self._rows(verify_logits.shape[0])
-        return verify_greedy_chain(verify_logits, tokens, logit_bias=self.logit_bias)
+        return verify_greedy_chain(masked_verify(self.mask, verify_logits), tokens, logit_bias=self.logit_bias)
 
     def commit(self, bundle: mx.array, count: mx.array | int) -> None:
         pass
@@ -165,6 +173,16 @@ class GreedyPolicy(_BiasRows):
     def unload_rows(self) -> None:
         """Greedy rows carry no per-stream device state."""
         return None
+
+
+def masked_pick(mask: mx.array | None, logits: mx.array) -> mx.array:
+    """[B, V] logits under position 0 of a constraint mask (unchanged without one)."""
+    return logits if mask is None else apply_bitmask(logits, mask[:, 0])
+
+
+def masked_verify(mask: mx.array | None, logits: mx.array) -> mx.array:
+    """[B, T, V] verification logits under a constraint mask's first T positions."""
+    return logits if mask is None else apply_bitmask(logits, mask[:, : logits.shape[1]])
 
 
 #: Uniform streams of a sampled decode: one key per (row, step, call, position).
@@ -212,7 +230,7 @@ class SampledPolicy(_BiasRows):
     target.
     """
 
-    state_attrs = ("counts", "x0", "_keys", "_params", "step_base", *BIAS_ATTRS)
+    state_attrs = ("counts", "x0", "_keys", "_params", "step_base", *BIAS_ATTRS, "mask")
 
     def __init__(
         self,
@@ -243,6 +261,8 @@ class SampledPolicy(_BiasRows):
         # own cycle). A scheduler that admits a stream at cycle g sets g - 1,
         # so the stream draws the numbers it would draw decoded alone.
         self.step_base: mx.array | None = None
+        # [B, K + 1, W] constraint bitmask of the next step, or None.
+        self.mask: mx.array | None = None
 
     @property
     def configs(self) -> list[SamplerConfig] | SamplerConfig:
@@ -355,6 +375,7 @@ class SampledPolicy(_BiasRows):
                 # Plain decoding: the previous pick is now committed.
                 self.counts = self._add(self.counts, self.x0)
         u = self.uniforms(step, [_CALL_PICK])[:, 0]
+        logits = masked_pick(self.mask, logits)
         tok = sample_tokens(logits, u, self._params, token_counts=self.counts, logit_bias=self.logit_bias)
         self.x0, self.x0_is_bonus = tok, False
         return tok
@@ -379,6 +400,7 @@ class SampledPolicy(_BiasRows):
         u = mx.concatenate(
             accepts + [self.uniforms(step, [_CALL_RESAMPLE]), self.uniforms(step + 1, [_CALL_PICK])], axis=1
         )
+        verify_logits = masked_verify(self.mask, verify_logits)
         return verify_sampled_chain(
             verify_logits, draft_info, tokens, u, self._params, token_counts=self.counts, logit_bias=self.logit_bias
         )

@@ -38,6 +38,8 @@ class BatchedDecodeResult(DraftStats):
         compiled: whether the decode steps ran through `mx.compile`.
         prefill_s: seconds from the call to the end of the prefill.
         decode_s: seconds of the decode cycles.
+        mask_s: host seconds of those spent on constraint masks (advance,
+            mask, roll back; 0 without constraints).
     """
 
     streams: list[StreamResult] = field(default_factory=list)
@@ -49,6 +51,7 @@ class BatchedDecodeResult(DraftStats):
     compiled: bool = False
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    mask_s: float = 0.0
 
     @property
     def generated_tokens(self) -> int:

@@ -1,9 +1,8 @@
 """OpenAI request fields this server does not implement: a 400 naming the field, never a silent no-op.
 
 Each entry maps a field to the values that mean "nothing asked" (and so are
-accepted): `logprobs: false`, `logit_bias: {}`, `response_format: {"type":
-"text"}`, `n: 1`, ... Any other value is refused. A field that gets
-implemented leaves these tables. Fields of neither table and no handler are
+accepted): `logprobs: false`, `n: 1`, `echo: false`, ... Any other value
+is refused. A field that gets implemented leaves these tables. Fields of neither table and no handler are
 not OpenAI's and are left alone (clients send their own extensions).
 """
 
@@ -34,7 +33,6 @@ def _one(v: Any) -> bool:
 #: Both routes.
 COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (_one, "n must be 1 (one choice per request)"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
 }
 
 #: /v1/chat/completions.
@@ -42,7 +40,6 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **COMMON,
     "logprobs": (_false, "logprobs is not supported"),
     "top_logprobs": (lambda v: v is None or v == 0, "top_logprobs is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not supported"),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "modalities other than [\"text\"] are not supported"),
     "prediction": (_absent, "prediction (predicted outputs) is not supported"),

@@ -22,7 +22,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import disconnect, fields, params, tools
+from mtplx_ext.serve import disconnect, fields, params, structured, tools
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 
@@ -94,6 +94,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     try:
         body = await api.body(http)
         prompt, args, reply = parse_request(api, body, kind)
+        args["constraint"] = structured.constraint(body, api)  # response_format, forced tool calls
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, disconnect.deliver(loop, events))

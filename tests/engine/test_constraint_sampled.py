@@ -1,0 +1,135 @@
+"""Exactness of constrained sampled MTP decoding (G-tests).
+
+On a random qwen3 model over an 8-token vocabulary whose tokens spell
+strings of a, b, c, the first depth + 1 tokens of many independent streams
+(one seed each, one batch) constrained by a grammar (`root ::= ("a"
+[bc])+`, written so that no answer can end inside them) must follow the
+masked target distribution: prod_i p(t_i | prefix) with p the model's
+logits masked to the tokens the grammar allows after the prefix, then
+temperature and top-k (so the mask must come before top-k). The same test
+rejects a decode that masks only the draft distribution (the target
+unmasked) and one that also masks the draft distribution q although the
+drafts were drawn from the unmasked head.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+xgr = pytest.importorskip("xgrammar")
+
+import mtplx_ext  # noqa: E402
+from mtplx_ext import SamplerConfig  # noqa: E402
+from mtplx_ext.engine.constraint import GrammarConstraint, apply_bitmask, mask_words  # noqa: E402
+from mtplx_ext.sampling import distribution_from_logits  # noqa: E402
+from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
+
+V = 8
+TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"ca", b"bb"]
+GRAMMAR = 'root ::= p p p p p p+\np ::= "a" [bc]'
+CFG = SamplerConfig(temperature=2.5, top_k=3)
+N = 6000
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    info = xgr.TokenizerInfo(TOKENS, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
+    return xgr.GrammarCompiler(info).compile_grammar(GRAMMAR)
+
+
+def allowed_after(compiled, prefix: list[int]) -> np.ndarray | None:
+    """[V] bool of the tokens the grammar allows after `prefix` (None: the prefix itself is refused)."""
+    m = xgr.GrammarMatcher(compiled)
+    for t in prefix:
+        if not m.accept_token(int(t)):
+            return None
+    bits = np.zeros((1, mask_words(V)), np.int32)
+    m.fill_next_token_bitmask(bits)
+    return np.unpackbits(bits.view(np.uint8), bitorder="little")[:V].astype(bool)
+
+
+def masked_joint(rt, compiled, prompt: list[int], n: int) -> np.ndarray:
+    """P(t_1..t_n) under the masked target, float64, flat [V**n]."""
+    joint = np.ones(1)
+    prefixes: list[list[int]] = [[]]
+    for _ in range(n):
+        rows = np.array(rt.trunk(mx.array([prompt + p for p in prefixes]))[:, -1].astype(mx.float32), np.float64)
+        step = np.zeros((len(prefixes), V))
+        for i, p in enumerate(prefixes):
+            ok = allowed_after(compiled, p)
+            if ok is not None and joint[i] > 0:
+                step[i] = distribution_from_logits(np.where(ok, rows[i], -np.inf), CFG, None)
+        joint = (joint[:, None] * step).reshape(-1)
+        prefixes = [p + [t] for p in prefixes for t in range(V)]
+    return joint
+
+
+def decode(rt, compiled, prompt, seeds, depth, mtp=True, stop=(0,)):
+    res = mtplx_ext.generate_batched(
+        rt, [prompt] * len(seeds), max_new_tokens=depth + 1, sampler=CFG, row_seeds=seeds, depth=depth,
+        use_mtp_draft=mtp, stop_token_ids=list(stop), constraints=[GrammarConstraint(compiled) for _ in seeds],
+    )
+    seqs = np.array([s.tokens for s in res.streams])
+    assert seqs.shape == (len(seeds), depth + 1)
+    return np.ravel_multi_index(tuple(seqs.T), (V,) * (depth + 1)), res
+
+
+def model_with_useful_head(rng, compiled, depth):
+    # A random head that drafts allowed, accepted tokens often enough for
+    # the accept test and the residual to matter.
+    for _ in range(8):
+        rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
+        prompt = rng.integers(0, V, size=int(rng.integers(2, 6))).tolist()
+        _, res = decode(rt, compiled, prompt, list(range(300)), depth)
+        if res.acceptance_rate > 0.25:
+            return rt, prompt
+    return rt, prompt
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth):
+    rt, prompt = model_with_useful_head(rng, compiled, depth)
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    idx, res = decode(rt, compiled, prompt, seeds, depth)
+    assert res.reached[depth - 1] > 0, "no cycle reached the last draft"
+    expected = masked_joint(rt, compiled, prompt, depth + 1)
+    p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)
+    assert p >= ALPHA_EXACT, f"constrained MTP sampling off the masked target: p = {p:.2e} (acc {res.acceptance_rate:.2f})"
+    plain, _ = decode(rt, compiled, prompt, seeds, depth, mtp=False)
+    p_plain = g_test_pvalue(np.bincount(plain, minlength=V ** (depth + 1)), expected)
+    assert p_plain >= ALPHA_EXACT, f"constrained plain sampling off the masked target: p = {p_plain:.2e}"
+
+
+def test_the_test_rejects_masking_only_the_draft_or_masking_q_as_well(rng, compiled, monkeypatch):
+    import mtplx_ext.engine.policies as policies
+
+    depth = 2
+    rt, prompt = model_with_useful_head(rng, compiled, depth)
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    expected = masked_joint(rt, compiled, prompt, depth + 1)
+    real_verify = policies.SampledPolicy.verify
+
+    def only_the_draft(self, logits, tokens, q, step=0):  # q masked, the target p left unmasked
+        T = logits.shape[1]
+        mask, self.mask = self.mask, None
+        try:
+            return real_verify(self, logits, tokens, apply_bitmask(q, mask[:, :T - 1]), step)
+        finally:
+            self.mask = mask
+
+    def q_masked_too(self, logits, tokens, q, step=0):  # drafts drawn from the unmasked head
+        return real_verify(self, logits, tokens, apply_bitmask(q, self.mask[:, : logits.shape[1] - 1]), step)
+
+    for name, variant in [("only the draft", only_the_draft), ("q masked too", q_masked_too)]:
+        with monkeypatch.context() as m:
+            m.setattr(policies.SampledPolicy, "verify", variant)
+            idx, _ = decode(rt, compiled, prompt, seeds, depth, stop=())
+        p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)
+        assert p < ALPHA_BROKEN, f"the broken variant '{name}' passed: p = {p:.2e}"
