@@ -107,9 +107,16 @@ def check_pair(trunk: nn.Module, assistant: Gemma4Assistant, where: str) -> None
             )
 
 
-def build_assistant(config: dict, weights: dict[str, mx.array] | None, where: str) -> Gemma4Assistant:
-    """The assistant a config describes, with its (possibly quantized) weights loaded strictly."""
+def build_assistant(
+    config: dict, weights: dict[str, mx.array] | None, where: str, trunk: nn.Module | None = None
+) -> Gemma4Assistant:
+    """The assistant a config describes, with its (possibly quantized) weights loaded strictly.
+
+    With `trunk`, the pair is checked (`check_pair`) before any weight is read.
+    """
     assistant = Gemma4Assistant(_args(config, where))
+    if trunk is not None:
+        check_pair(trunk, assistant, where)
     if weights is not None:
         weights = assistant.sanitize(dict(weights))
         if "quantization" in config:
@@ -125,8 +132,7 @@ def attach(runtime: MTPRuntime, drafter: str | Path) -> MTPRuntime:
     path = Path(drafter)
     config = loading.read_config(path)
     where = str(path / "config.json")
-    assistant = build_assistant(config, loading.read_weights(path), where)
-    check_pair(runtime.trunk, assistant, where)
+    assistant = build_assistant(config, loading.read_weights(path), where, runtime.trunk)
     cfg = {**runtime.config, "mtp_head_layout": LAYOUT, "mtp_hidden_source": assistant.args.hidden_source}
     return MTPRuntime(runtime.trunk, assistant, cfg, runtime.tokenizer)
 
@@ -163,9 +169,7 @@ def convert_assistant(
     src, out = Path(src), Path(out)
     config = loading.read_config(src)
     where = str(src / "config.json")
-    assistant = build_assistant(config, loading.read_weights(src), where)
-    if target is not None:
-        check_pair(target.trunk, assistant, where)
+    assistant = build_assistant(config, loading.read_weights(src), where, None if target is None else target.trunk)
     config = dict(config)
     if quantize is not None:
         q = quant.check_quantization(dict(quantize), "quantize")
