@@ -219,14 +219,19 @@ class RaggedKVCache(_BaseCache):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
         """[B, 1, N, S] bool: query t of stream b sees its slots up to ends[b] + t.
 
-        S is size() + N, or the capacity when it is fixed.
+        S is size() + N, or the capacity when it is fixed. With `window_size`
+        W (sliding-window layers) a query sees only its last W slots, itself
+        included, as mlx-lm's causal mask does: the cache keeps every slot
+        (it never rotates), so a stream rolled back by any count still finds
+        the keys of its window.
         """
-        if window_size is not None:
-            raise NotImplementedError("RaggedKVCache does not support sliding-window attention")
         p = self.positions
         slots = mx.arange(p.idx + N if p.capacity is None else p.capacity, dtype=mx.int32)
         query_slots = p.ends[:, None] + mx.arange(N, dtype=mx.int32)
         mask = (slots[None, None, :] <= query_slots[:, :, None]) & (slots[None, None, :] >= p.left_padding[:, None, None])
+        if window_size is not None:
+            window_size = as_int("window_size", window_size, lo=1)
+            mask = mask & (slots[None, None, :] > query_slots[:, :, None] - window_size)
         return mask[:, None]
 
     def rollback(self, counts: mx.array) -> None:

@@ -1,6 +1,8 @@
 """Checkpoint I/O: model folders in and out, conversion, quantization, random models.
 
 * `loading`: `load(folder)` -> `MTPRuntime` (trunk through mlx-lm, head by layout);
+* `assistant`: `load(folder, drafter=assistant_folder)`: a Gemma 4 assistant as the drafter, its conversion;
+* `gemma4`: Gemma 4 `per_layer_config` mapped onto mlx-lm's fields;
 * `saving`: `save_runtime(runtime, folder)` (mlx-lm's trunk files, `mtp.safetensors`);
 * `convert`: Hugging Face checkpoints (sharded, quantized on request) to MLX folders;
 * `quantize`: mlx-lm's quantization applied to trunk and head;
@@ -17,7 +19,6 @@ from mtplx_ext.checkpoints.loading import (
     build_runtime,
     check_config,
     head_checkpoint_name,
-    load,
     load_strict,
     read_config,
     read_index,
@@ -26,6 +27,7 @@ from mtplx_ext.checkpoints.loading import (
     read_weights,
     weight_files,
 )
+from mtplx_ext.checkpoints.assistant import convert_assistant, is_assistant_folder, load
 from mtplx_ext.checkpoints.random import SMALL_CONFIGS, init_random
 from mtplx_ext.checkpoints.saving import (
     add_mtp_modules,
@@ -49,9 +51,11 @@ __all__ = [
     "add_mtp_modules",
     "build_runtime",
     "check_config",
+    "convert_assistant",
     "head_checkpoint_name",
     "head_checkpoint_weights",
     "init_random",
+    "is_assistant_folder",
     "load",
     "load_strict",
     "read_config",

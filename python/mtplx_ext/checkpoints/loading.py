@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from mtplx_ext import models
 from mtplx_ext.checkpoints import quantize as quant
+from mtplx_ext.checkpoints.gemma4 import map_per_layer_config
 from mtplx_ext.checkpoints.rope import map_rope_parameters
 from mtplx_ext._checks import CheckpointError
 from mtplx_ext.models import trunk as trunk_lib
@@ -54,7 +55,7 @@ def read_config(path: Path) -> dict:
         raise CheckpointError(f"{cfg} is not valid JSON: {e}") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise CheckpointError(f"{cfg} has no model_type field")
-    return map_rope_parameters(config, str(cfg))
+    return map_per_layer_config(map_rope_parameters(config, str(cfg)), str(cfg))
 
 
 # Fields every trunk family needs; mlx-lm would otherwise fail deep inside a

@@ -132,7 +132,7 @@ class Cycle:
         self.depth = depth
         self.recurrent = rollback.has_recurrent_state(cache)
         self.per_stream = per_stream
-        self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth)
+        self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth, cache)
         # Compiled steps by kind (see `compile_steps`), or None (eager).
         self.compiled: dict[str, CompiledStep] | None = None
 

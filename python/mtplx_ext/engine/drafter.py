@@ -1,6 +1,6 @@
 """How a cycle's K drafts come out of the MTP head, and how the head's caches follow commits.
 
-Two schemes, one interface (`pairs` then `draft`):
+Three schemes, one interface (`pairs` then `draft`):
 
 * `Recursive` (a checkpoint with one MTP module, as the published Qwen3-Next,
   Qwen3.5, DeepSeek-V3 and GLM-4.5 checkpoints have): the module is
@@ -22,6 +22,8 @@ Two schemes, one interface (`pairs` then `draft`):
   carry and depth j - 1's draft states), whose slots are dropped after.
   Depth j's cache is left-padded j slots more than the trunk's: its first j
   entries pair positions before the prompt (zero carries) and stay masked.
+* `FrozenKV` (a Gemma 4 assistant): no cache of its own; every draft step
+  of a cycle queries the target's KV at x0's position.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import mlx.core as mx
 
 from mtplx_ext.cache import rollback
+from mtplx_ext.models import gemma4_assistant, gemma4_trunk
+from mtplx_ext.models import trunk as trunk_lib
 
 
 def model_tokens(tokens: mx.array) -> mx.array:
@@ -156,8 +160,48 @@ class ModuleChain:
         return _finish(x0, drafts, infos)
 
 
-def make_drafter(runtime: Any, policy: Any, head_cache: list, depth: int) -> Recursive | ModuleChain:
-    """The drafting scheme of a runtime's head (several MTP modules: `ModuleChain`)."""
+class FrozenKV:
+    """A Gemma 4 assistant: K draft steps at x0's position over the target's own KV.
+
+    The assistant has no cache (`models.gemma4_assistant`): `pairs` only
+    picks each stream's start state, the trunk's final-normed hidden state
+    at its last committed position (index `at`), and `draft` reads the
+    trunk's caches after the commit (each stream's end slot already rolled
+    back), so a per-stream commit needs nothing else. The position anchor
+    is per row: x0's position, ends - left_padding.
+    """
+
+    def __init__(self, runtime: Any, policy: Any, cache: list, depth: int):
+        if cache is None:
+            raise ValueError("a frozen-KV drafter needs the trunk's caches")
+        self.rt, self.policy, self.cache, self.depth = runtime, policy, cache, depth
+
+    def pairs(self, hidden: mx.array, nxt: mx.array, at: mx.array | None = None, dropped: mx.array | None = None):
+        return _at(hidden, at)
+
+    def draft(self, start: Any, x0: mx.array, step: Any) -> tuple[mx.array, Any]:
+        """K assistant steps, each fed its own state and its own draft (q: the drafts' distributions)."""
+        a, trunk = self.rt.head, self.rt.trunk
+        frozen = gemma4_assistant.frozen_kv(trunk, self.cache, a.layer_types, a.args.text.sliding_window)
+        h, tok, prefix = start, x0, [x0]
+        drafts, infos = [], []
+        for i in range(1, self.depth + 1):
+            e = trunk_lib.safe_embed(trunk, model_tokens(tok)[:, None], self.rt.vocab_size)
+            logits, h = a.step(gemma4_trunk.scaled_embed(trunk, e), h, frozen)
+            tok, info = self.policy.draft(logits[:, 0], step, i, prefix)
+            drafts.append(tok)
+            infos.append(info)
+            prefix.append(tok)
+        return _finish(x0, drafts, infos)
+
+
+def make_drafter(
+    runtime: Any, policy: Any, head_cache: list, depth: int, cache: list | None = None
+) -> Recursive | ModuleChain | FrozenKV:
+    """The drafting scheme of a runtime's head (several MTP modules: `ModuleChain`; a
+    frozen-KV assistant: `FrozenKV`, which reads the trunk's `cache`)."""
+    if getattr(getattr(runtime, "head", None), "frozen_kv", False):
+        return FrozenKV(runtime, policy, cache, depth)
     if len(getattr(runtime, "mtp_modules", ())) > 1:
         return ModuleChain(runtime, policy, head_cache, depth)
     return Recursive(runtime, policy, head_cache, depth)

@@ -149,11 +149,14 @@ class MTPRuntime(nn.Module):
         j, since position t of depth j pairs the token at t + 1 + j) and,
         after them, depth - 1 one-leaf `ArraysCache`s carrying each depth's
         output at its last committed position (`engine.drafter`).
+        A frozen-KV drafter (a Gemma 4 assistant) keeps no cache: [].
         """
         pads = _check_left_padding(left_padding)
         if not self.has_mtp:
             raise ValueError("this model has no MTP head (head_layout is None)")
         cap = _check_capacity(capacity)
+        if getattr(self.head, "frozen_kv", False):
+            return []  # a frozen-KV drafter (Gemma 4 assistant) reads the trunk's caches
         mods = self.mtp_modules
         if len(mods) == 1:
             return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, cap)

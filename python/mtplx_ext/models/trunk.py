@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.utils import MODEL_REMAPPING
 
 from mtplx_ext.cache.ragged import RaggedKVCache, RaggedPositions
+from mtplx_ext.models import gemma4_trunk
 
 # Families whose attention applies the mask with mx.where and so needs an
 # array mask, never the "causal" string.
@@ -98,6 +99,8 @@ def trunk_hidden(
     """
     inner = trunk.model
     h = inner.embed_tokens(tokens) if embeds is None else embeds
+    if gemma4_trunk.is_gemma4(trunk):
+        return gemma4_trunk.hidden(trunk, tokens, cache, h)
     layers = inner.layers
     if cache is None:
         cache = [None] * len(layers)
@@ -137,15 +140,25 @@ def project(trunk: nn.Module, normed: mx.array) -> mx.array:
     """The trunk's output projection (lm_head, or the tied embedding)."""
     lm = text_model(trunk)
     if getattr(lm.args, "tie_word_embeddings", False) or "lm_head" not in lm:
-        return trunk.model.embed_tokens.as_linear(normed)
-    return lm.lm_head(normed)
+        logits = trunk.model.embed_tokens.as_linear(normed)
+    else:
+        logits = lm.lm_head(normed)
+    return gemma4_trunk.softcap(lm, logits) if gemma4_trunk.is_gemma4(lm) else logits
 
 
 def make_trunk_cache(
     trunk: nn.Module, left_padding: list[int], ragged: bool = False, capacity: int | None = None
 ) -> list[Any]:
-    """Batch-aware caches, one per trunk layer, for left-padded prompts."""
-    return make_layer_caches(trunk.model.layers, left_padding, ragged, capacity)
+    """Batch-aware caches, one per trunk layer, for left-padded prompts.
+
+    Gemma 4: one per K/V-storing layer (its shared layers reuse those), and
+    never rotating: sliding layers mask their window instead
+    (`RaggedKVCache.make_mask`), so per-stream rollback stays exact.
+    """
+    layers = trunk.model.layers
+    if gemma4_trunk.is_gemma4(trunk):
+        layers = layers[: gemma4_trunk.kv_layer_count(trunk)]
+    return make_layer_caches(layers, left_padding, ragged, capacity)
 
 
 def make_layer_caches(
