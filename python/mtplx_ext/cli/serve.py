@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mtplx_ext.cli import common
+from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import CLIError, depth_flag, positive
 from mtplx_ext.shipped import SHIPPED_MODEL
 
@@ -26,6 +26,7 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="MiB of prompt KV kept for later prompts that start alike (0: off)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
+    parallel.add_flags(s)
     s.set_defaults(func=run)
 
 
@@ -37,12 +38,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
-    rt = common.load_model(args.model, need_mtp=not args.no_mtp)
+    dist = parallel.start(args)  # rank 0 answers HTTP; the others step its engine in lockstep
+    rt = common.load_model(args.model, need_mtp=not args.no_mtp, **parallel.load_kwargs(dist))
     folder = Path(args.model) if args.model else SHIPPED_MODEL
+    if args.depth == "auto" and not args.no_mtp:
+        parallel.agree_depth(dist, rt, [args.max_batch])
     try:
         serve(rt, folder, host=args.host, port=args.port, max_batch=args.max_batch, depth=args.depth,
               use_mtp=not args.no_mtp, api_key=args.api_key, max_kv_slots=args.max_kv_slots,
-              prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mb << 20)
+              prefill_chunk=args.prefill_chunk, prefix_cache_bytes=args.prefix_cache_mb << 20,
+              group=None if dist is None else dist.group, watchdog=None if dist is None else dist.watchdog)
     except ValueError as e:
         raise CLIError(str(e)) from e
     return 0

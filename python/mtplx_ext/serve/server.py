@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx_ext.batching import Engine
+from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
 from mtplx_ext.shipped import eos_ids
 
@@ -62,12 +63,27 @@ def serve(
     prefill_chunk: int = 256,
     log_level: str = "warning",
     prefix_cache_bytes: int = 256 << 20,
+    group: Any = None,
+    watchdog: Any = None,
 ) -> None:
-    """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call."""
+    """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call.
+
+    With a distributed `group` (the runtime split across it), rank 0 serves
+    HTTP and the other ranks step the same engine in lockstep
+    (`batching.lockstep`) until rank 0 stops; `watchdog` is beaten at every
+    engine step.
+    """
+    kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
+                  prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if group is not None and group.rank() != 0:
+        LockstepEngine(runtime, group, watchdog=watchdog, **kwargs).follow()
+        return
     import uvicorn  # noqa: PLC0415
 
-    engine = Engine(runtime, max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if group is not None:
+        engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
+    else:
+        engine = Engine(runtime, **kwargs)
     api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
               eos_ids(getattr(runtime, "tokenizer", None)))
     engine.start()
