@@ -47,6 +47,20 @@ class DistributedError(RuntimeError):
     """The ranks of a run disagree (launch or decode): one line naming what differs."""
 
 
+#: How MLX's distributed backends word a failed transport (a peer that exited, a closed socket).
+_TRANSPORT_MARKS = ("[ring]", "[jaccl]", "[mpi]", "[nccl]", "peer")
+
+
+def is_transport_error(e: BaseException) -> bool:
+    """Whether an exception is MLX's distributed backend losing a peer (not a bug of ours)."""
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _TRANSPORT_MARKS)
+
+
+def lost_peer_message(rank: int, e: BaseException) -> str:
+    """The one line a rank prints when its peers are gone."""
+    return f"rank {rank}: lost the connection to another rank ({str(e).strip() or type(e).__name__}); exiting"
+
+
 def _crc(value: Any) -> int:
     text = json.dumps(value, sort_keys=True, default=str)
     return zlib.crc32(text.encode()) & 0x7FFFFFFF
@@ -227,5 +241,5 @@ def silence_other_ranks(group: Any) -> None:
 
 __all__ = [
     "WATCHDOG_EXIT", "Agreement", "DistributedError", "Watchdog", "agree_auto_depth", "all_gather_ints", "broadcast",
-    "check_launch", "folder_fields", "silence_other_ranks",
+    "check_launch", "folder_fields", "is_transport_error", "lost_peer_message", "silence_other_ranks",
 ]

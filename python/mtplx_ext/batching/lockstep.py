@@ -40,7 +40,14 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.batching import admission
-from mtplx_ext.batching.collective import DistributedError, Watchdog, all_gather_ints, broadcast
+from mtplx_ext.batching.collective import (
+    DistributedError,
+    Watchdog,
+    all_gather_ints,
+    broadcast,
+    is_transport_error,
+    lost_peer_message,
+)
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.sampling import SamplerConfig
@@ -195,6 +202,11 @@ class LockstepEngine(Engine):
             busy = super().step()
         except DistributedError as e:  # every rank sees the same gathered hashes: all end here
             os.write(2, f"mtplx-ext: error: rank {self.rank}: {e}; exiting\n".encode())
+            os._exit(4)
+        except RuntimeError as e:  # a peer gone: no later step could complete
+            if not is_transport_error(e):
+                raise
+            os.write(2, f"mtplx-ext: error: {lost_peer_message(self.rank, e)}\n".encode())
             os._exit(4)
         for rid in [rid for rid, r in self._known.items() if r.done]:
             del self._known[rid]

@@ -62,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
     # Distributed, mlx-lm's own generation runs the sharded trunk (its collectives included).
     baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL) if dist is None else None
-    if "auto" in args.depth:
-        parallel.agree_depth(dist, rt, args.batch, args.enforce_eager)
     prompt_ids = heldout_prompts(tok, args.heldout, args.prompt_tokens, seed=args.seed) if args.heldout else None
-    report = run_bench(
-        rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
-        enforce_eager=args.enforce_eager, depths=args.depth, prompt_ids=prompt_ids,
-    )
-    parallel.finish(dist)
+    with parallel.guard(dist):
+        if "auto" in args.depth:
+            parallel.agree_depth(dist, rt, args.batch, args.enforce_eager)
+        report = run_bench(
+            rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
+            enforce_eager=args.enforce_eager, depths=args.depth, prompt_ids=prompt_ids,
+        )
+        parallel.finish(dist)
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     if dist is not None:
         report["distributed"] = {"parallel": dist.parallel, "ranks": dist.group.size()}

@@ -8,7 +8,6 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.batching import admission
-from mtplx_ext.batching.collective import DistributedError
 from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import (
     CLIError,
@@ -86,13 +85,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         header = "".join(f"[{i}] prompt: {t!r}\n" for i, t in enumerate(texts))
     streamer = TextStreamer(tok, len(prompts), out=out, header=header)
-    if args.depth == "auto" and not args.no_mtp:
-        parallel.agree_depth(dist, rt, [len(prompts)], args.enforce_eager)
-    try:
+    with parallel.guard(dist):
+        if args.depth == "auto" and not args.no_mtp:
+            parallel.agree_depth(dist, rt, [len(prompts)], args.enforce_eager)
         res = decode(rt, prompts, args, on_commit=parallel.on_commit(dist, streamer), stop=stop_ids(tok))
-    except DistributedError as e:
-        raise CLIError(str(e)) from None
-    parallel.finish(dist)
+        parallel.finish(dist)
     streamer.finish()
     per_stream = res.generated_tokens / len(prompts)
     if args.no_mtp:

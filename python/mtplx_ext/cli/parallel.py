@@ -13,7 +13,8 @@ peers stopped answering for `--dist-timeout` seconds.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +105,19 @@ def on_commit(dist: Dist | None, inner: Callable[[int, list[int]], None] | None)
     return hook
 
 
+@contextlib.contextmanager
+def guard(dist: Dist | None) -> Iterator[None]:
+    """Turns the ranks' disagreement or a lost peer into a one-line CLIError (non-zero exit)."""
+    try:
+        yield
+    except collective.DistributedError as e:
+        raise CLIError(str(e)) from None
+    except RuntimeError as e:
+        if dist is None or not collective.is_transport_error(e):
+            raise
+        raise CLIError(collective.lost_peer_message(dist.rank, e)) from None
+
+
 def finish(dist: Dist | None) -> None:
     """The end of a decode: the ranks compare their committed tokens.
 
@@ -119,4 +133,4 @@ def finish(dist: Dist | None) -> None:
     dist.watchdog.beat()
 
 
-__all__ = ["Dist", "add_flags", "agree_depth", "finish", "load_kwargs", "on_commit", "start"]
+__all__ = ["Dist", "add_flags", "agree_depth", "finish", "guard", "load_kwargs", "on_commit", "start"]
