@@ -297,6 +297,7 @@ def build_runtime(
     tokenizer: Any = None,
     *,
     where: str = "config",
+    prepare: Callable[[MTPRuntime], None] | None = None,
 ) -> MTPRuntime:
     """Builds the trunk and head a config describes, optionally loading weights.
 
@@ -309,6 +310,9 @@ def build_runtime(
             the random initialisation.
         tokenizer: attached to the runtime as is.
         where: names the config's source in error messages.
+        prepare: called on the runtime before its parameters are evaluated
+            (lazily loaded weights are read only then): `sharded.load`
+            splits the model there, so a rank reads only its part.
 
     Returns:
         The runtime, parameters evaluated.
@@ -361,6 +365,8 @@ def build_runtime(
     if head is not None:
         config["mtp_hidden_source"] = head.args.hidden_source
     runtime = MTPRuntime(trunk, head, config, tokenizer, more_modules=mods[1:])
+    if prepare is not None:
+        prepare(runtime)
     mx.eval(runtime.parameters())
     return runtime
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark import format_table, heldout_prompts, mlx_lm_model, run_bench, write_plot
-from mtplx_ext.cli import common
+from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import (
     Stdout,
     check_writable,
@@ -47,6 +47,7 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--plot", help="write a bar chart PNG here (needs matplotlib)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
     b.add_argument("--enforce-eager", action="store_true", help="the engine builds every step in Python (no mx.compile)")
+    parallel.add_flags(b)
     b.set_defaults(func=run)
 
 
@@ -54,17 +55,25 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_writable(flag, path)
+    dist = parallel.start(args)  # before stdout is taken: ranks > 0 print nothing
     out = Stdout()
-    rt = common.load_model(args.model, need_mtp=True)
+    rt = common.load_model(args.model, need_mtp=True, **parallel.load_kwargs(dist))
     tok = tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
-    baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL)
+    # Distributed, mlx-lm's own generation runs the sharded trunk (its collectives included).
+    baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL) if dist is None else None
     prompt_ids = heldout_prompts(tok, args.heldout, args.prompt_tokens, seed=args.seed) if args.heldout else None
-    report = run_bench(
-        rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
-        enforce_eager=args.enforce_eager, depths=args.depth, prompt_ids=prompt_ids,
-    )
+    with parallel.guard(dist):
+        if "auto" in args.depth:
+            parallel.agree_depth(dist, rt, args.batch, args.enforce_eager)
+        report = run_bench(
+            rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
+            enforce_eager=args.enforce_eager, depths=args.depth, prompt_ids=prompt_ids,
+        )
+        parallel.finish(dist)
     report["command"] = "mtplx-ext " + " ".join(args.argv)
+    if dist is not None:
+        report["distributed"] = {"parallel": dist.parallel, "ranks": dist.group.size()}
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
     out.write(format_table(report) + "\n")
     out.flush()

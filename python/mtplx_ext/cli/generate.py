@@ -8,7 +8,7 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.batching import admission
-from mtplx_ext.cli import common
+from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import (
     CLIError,
     Stdout,
@@ -40,6 +40,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--depth", type=depth_flag, default="auto",
                    help="MTP drafts per cycle, 1..8, or auto (default: the fastest here, plain where MTP would not pay)")
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
+    parallel.add_flags(g)
     g.set_defaults(func=run)
 
 def decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_commit=None, stop=()) -> Any:
@@ -62,6 +63,7 @@ def decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_commi
 def run(args: argparse.Namespace) -> int:
     texts = args.prompt or [DEFAULT_PROMPT]
     check_prompt_text(texts)
+    dist = parallel.start(args)  # before stdout is taken: ranks > 0 print nothing
     out = Stdout()
     if not args.enforce_eager and common.mlx_kernel_cache_is_cold():
         print(
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             "(seconds, cached for later runs; --enforce-eager skips compiling)",
             file=sys.stderr,
         )
-    rt = common.load_model(args.model, need_mtp=not args.no_mtp)
+    rt = common.load_model(args.model, need_mtp=not args.no_mtp, **parallel.load_kwargs(dist))
     tok = tokenizer(rt, args.model)
     prompts = encode(tok, texts)
     context = admission.model_context(rt)
@@ -83,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         header = "".join(f"[{i}] prompt: {t!r}\n" for i, t in enumerate(texts))
     streamer = TextStreamer(tok, len(prompts), out=out, header=header)
-    res = decode(rt, prompts, args, on_commit=streamer, stop=stop_ids(tok))
+    with parallel.guard(dist):
+        if args.depth == "auto" and not args.no_mtp:
+            parallel.agree_depth(dist, rt, [len(prompts)], args.enforce_eager)
+        res = decode(rt, prompts, args, on_commit=parallel.on_commit(dist, streamer), stop=stop_ids(tok))
+        parallel.finish(dist)
     streamer.finish()
     per_stream = res.generated_tokens / len(prompts)
     if args.no_mtp:

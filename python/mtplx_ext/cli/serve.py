@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mtplx_ext.cli import common
+from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import CLIError, depth_flag, positive
 from mtplx_ext.shipped import SHIPPED_MODEL
 
@@ -30,6 +30,7 @@ def add_parser(sub: Any) -> None:
                    help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended (default 5)")
     s.add_argument("--max-body-mb", type=float, default=4.0,
                    help="largest request body in MiB; larger ones get a 413 (default 4)")
+    parallel.add_flags(s)
     s.set_defaults(func=run)
 
 
@@ -46,20 +47,27 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--shutdown-grace must be in [0, 3600] seconds, got {args.shutdown_grace}")
     if not 0 < args.max_body_mb <= 1024:
         raise CLIError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb}")
-    # The address first: a taken port is a one-line error before the model loads.
+    dist = parallel.start(args)  # rank 0 answers HTTP; the others step its engine in lockstep
+    sock = None
+    if dist is None or dist.group.rank() == 0:
+        # The address first: a taken port is a one-line error before the model loads.
+        try:
+            sock = bind(args.host, args.port)
+        except OSError as e:
+            raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        sock = bind(args.host, args.port)
-    except OSError as e:
-        raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    try:
-        rt = common.load_model(args.model, need_mtp=not args.no_mtp)
+        rt = common.load_model(args.model, need_mtp=not args.no_mtp, **parallel.load_kwargs(dist))
         folder = Path(args.model) if args.model else SHIPPED_MODEL
+        if args.depth == "auto" and not args.no_mtp:
+            parallel.agree_depth(dist, rt, [args.max_batch])
         serve(rt, folder, max_batch=args.max_batch, depth=args.depth, use_mtp=not args.no_mtp,
               api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,
               prefix_cache_bytes=args.prefix_cache_mb << 20, sock=sock, shutdown_grace=args.shutdown_grace,
-              max_body_bytes=int(args.max_body_mb * (1 << 20)))
+              max_body_bytes=int(args.max_body_mb * (1 << 20)),
+              group=None if dist is None else dist.group, watchdog=None if dist is None else dist.watchdog)
     except ValueError as e:
         raise CLIError(str(e)) from e
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
     return 0

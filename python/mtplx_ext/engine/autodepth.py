@@ -192,7 +192,17 @@ def depth_costs(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_A
     return costs
 
 
+def remember(runtime: Any, batch: int, costs: DepthCosts, max_depth: int = MAX_AUTO_DEPTH) -> None:
+    """Makes `costs` this process's calibration of `runtime` at `batch` (memory only, no file).
+
+    A distributed run measures on every rank and shares rank 0's costs, so
+    that every later `depth_costs` (and so every "auto") of every rank
+    picks the same depth.
+    """
+    _MEMORY[(_machine_key(runtime), int(batch), int(max_depth))] = costs
+
+
 __all__ = [
     "AUTO", "MAX_AUTO_DEPTH", "DepthCosts", "cache_dir", "calibrate", "calibration_prompts", "choose_depth",
-    "depth_costs", "expected_tokens", "tokens_per_s",
+    "depth_costs", "expected_tokens", "remember", "tokens_per_s",
 ]

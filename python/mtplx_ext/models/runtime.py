@@ -171,7 +171,7 @@ class MTPRuntime(nn.Module):
     @property
     def has_recurrent_layers(self) -> bool:
         """Whether the trunk has recurrent (non-trimmable) layers."""
-        return any(trunk_lib.is_recurrent(l) for l in self.trunk.model.layers)
+        return any(trunk_lib.is_recurrent(l) for l in trunk_lib.local_layers(self.trunk))
 
     def check_tokens(self, tokens: object, name: str = "tokens") -> None:
         """Host-side check that token ids are in the vocabulary (one sync).

@@ -101,7 +101,7 @@ def trunk_hidden(
     h = inner.embed_tokens(tokens) if embeds is None else embeds
     if gemma4_trunk.is_gemma4(trunk):
         return gemma4_trunk.hidden(trunk, tokens, cache, h)
-    layers = inner.layers
+    layers = local_layers(trunk)
     if cache is None:
         cache = [None] * len(layers)
     attn_idx = next((i for i, l in enumerate(layers) if not is_recurrent(l)), None)
@@ -111,9 +111,36 @@ def trunk_hidden(
         fa_mask = create_attention_mask(h, cache[attn_idx], return_array=uses_array_mask(trunk))
     if ssm_idx is not None:
         ssm_mask = create_ssm_mask(h, cache[ssm_idx])
+    rank, size = pipeline_stage(trunk)
+    if size > 1 and rank < size - 1:  # the stage after ours in the layer order runs first
+        h = mx.distributed.recv_like(h, rank + 1)
     for layer, c in zip(layers, cache):
         h = layer(h, ssm_mask if is_recurrent(layer) else fa_mask, c)
+    if size > 1:
+        if rank != 0:
+            h = mx.distributed.send(h, rank - 1)
+        # Every stage gets the last stage's output (rank 0 holds the last layers).
+        h = mx.distributed.all_gather(h)[: h.shape[0]]
     return h
+
+
+def pipeline_stage(trunk: nn.Module) -> tuple[int, int]:
+    """(rank, stages) of a trunk split by mlx-lm's `pipeline()`; (0, 1) when it is whole."""
+    inner = trunk.model
+    return int(getattr(inner, "pipeline_rank", 0)), int(getattr(inner, "pipeline_size", 1))
+
+
+def local_layers(trunk: nn.Module) -> list[nn.Module]:
+    """The trunk layers this process runs: all of them, or its pipeline stage's.
+
+    mlx-lm's `pipeline()` keeps layer numbering by putting None in place of
+    the layers of later ranks and cutting off those of earlier ones; the
+    stage's own layers are `pipeline_layers`.
+    """
+    inner = trunk.model
+    if pipeline_stage(trunk)[1] > 1:
+        return list(inner.pipeline_layers)
+    return list(inner.layers)
 
 
 def final_norm(trunk: nn.Module, hidden: mx.array) -> mx.array:
@@ -149,13 +176,13 @@ def project(trunk: nn.Module, normed: mx.array) -> mx.array:
 def make_trunk_cache(
     trunk: nn.Module, left_padding: list[int], ragged: bool = False, capacity: int | None = None
 ) -> list[Any]:
-    """Batch-aware caches, one per trunk layer, for left-padded prompts.
+    """Batch-aware caches, one per trunk layer (of this rank's layers), for left-padded prompts.
 
     Gemma 4: one per K/V-storing layer (its shared layers reuse those), and
     never rotating: sliding layers mask their window instead
     (`RaggedKVCache.make_mask`), so per-stream rollback stays exact.
     """
-    layers = trunk.model.layers
+    layers = local_layers(trunk)
     if gemma4_trunk.is_gemma4(trunk):
         layers = layers[: gemma4_trunk.kv_layer_count(trunk)]
     return make_layer_caches(layers, left_padding, ragged, capacity)

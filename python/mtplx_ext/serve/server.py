@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx_ext.batching import Engine
+from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
 from mtplx_ext.serve.body import DEFAULT_MAX_BODY_BYTES
 from mtplx_ext.serve.warmup import warm_up
@@ -124,20 +125,34 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     warm: bool = True,
     log: Callable[[str], None] | None = None,
+    group: Any = None,
+    watchdog: Any = None,
 ) -> None:
     """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call.
 
     `sock` is a socket from `bind` (else host:port is bound here); nothing
     answers on it until the warm-up (`warmup.warm_up`) is done, and `log`
     (default: stderr) says how long that took.
-    """
-    import uvicorn  # noqa: PLC0415
 
+    With a distributed `group` (the runtime split across it), rank 0 serves
+    HTTP and the other ranks step the same engine in lockstep
+    (`batching.lockstep`) until rank 0 stops; `watchdog` is beaten at every
+    engine step.
+    """
     if not shutdown_grace >= 0:
         raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace!r}")
+    kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
+                  prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if group is not None and group.rank() != 0:
+        LockstepEngine(runtime, group, watchdog=watchdog, **kwargs).follow()
+        return
+    import uvicorn  # noqa: PLC0415
+
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    engine = Engine(runtime, max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                    prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if group is not None:
+        engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
+    else:
+        engine = Engine(runtime, **kwargs)
     api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
     sock = sock if sock is not None else bind(host, port)
