@@ -100,12 +100,14 @@ class ScriptedEngine:
 
     def __init__(self, tokenizer: Any, seed: int | None = None):
         self.tokenizer = tokenizer
+        self.vocab = tokenizer.get_vocab_size()
         self.reply = ""
         self.prompts: list[list[int]] = []
         self.rng = np.random.default_rng(seed)
 
     def submit(self, prompt: list[int], *, on_event: Any = None, max_tokens: int = 64, sampler: Any = None,
-               stop: Any = (), seed: int | None = None, stop_token_ids: Any = ()) -> Request:
+               stop: Any = (), seed: int | None = None, stop_token_ids: Any = (), constraint: Any = None,
+               logprobs: Any = None) -> Request:
         r = Request(len(self.prompts), list(prompt), sampler, max_tokens, frozenset(stop_token_ids), tuple(stop),
                     seed or 0, on_event, depth=self.depth, tokenizer=self.tokenizer)
         self.prompts.append(list(prompt))

@@ -10,6 +10,13 @@ A running batch holds rows x its largest row's capacity slots.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+from mtplx_ext._checks import as_depth
+from mtplx_ext.engine import session
+from mtplx_ext.engine.autodepth import AUTO
+from mtplx_ext.engine.generate import auto_depth
+from mtplx_ext.sampling import SamplerConfig
 
 #: KV capacities are rounded up to this many slots (fewer distinct traces).
 KV_BLOCK = 128
@@ -60,9 +67,6 @@ def check_stops(stop: Sequence[str] | str, has_tokenizer: bool) -> tuple[str, ..
     return stops
 
 
-__all__ = ["KV_BLOCK", "capacity", "check_context", "check_logit_bias", "model_context", "check_stops", "fits", "request_need"]
-
-
 def check_logit_bias(sampler: object, vocab: int) -> None:
     """A logit bias may only name tokens of the vocabulary (the rest is checked by `SamplerConfig`).
 
@@ -72,3 +76,46 @@ def check_logit_bias(sampler: object, vocab: int) -> None:
     for t, _ in getattr(sampler, "logit_bias", ()):
         if not 0 <= t < vocab:
             raise ValueError(f"sampler.logit_bias names token id {t}, outside the vocabulary [0, {vocab})")
+
+
+def check_sampler(sampler: object, vocab: int) -> SamplerConfig:
+    """A request's sampler (None: greedy), its logit bias checked against the vocabulary."""
+    if sampler is None:
+        sampler = SamplerConfig(temperature=0.0)
+    if not isinstance(sampler, SamplerConfig):
+        raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
+    check_logit_bias(sampler, vocab)
+    return sampler
+
+
+def check_callback(on_event: object) -> None:
+    """`on_event` is callable or None."""
+    if on_event is not None and not callable(on_event):
+        raise TypeError("on_event must be callable or None")
+
+
+def decode_mode(runtime: Any, mtp: bool, depth: int | str, max_batch: int) -> tuple[bool, int, bool]:
+    """(MTP on, depth, route the recurrent capture) for an engine over `runtime`.
+
+    `depth="auto"` is the fastest depth for a full batch here (0 turns MTP
+    off). The capture routes as fixed-batch decoding decides: for per-stream
+    commit, else only for runtimes that opted into fused CPU ops.
+
+    Raises:
+        ValueError: MTP asked of a runtime without head weights; recurrent
+            layers whose state cannot be captured per position.
+    """
+    if depth == AUTO:
+        chosen = auto_depth(runtime, max_batch) if mtp else 1
+        mtp, depth = mtp and chosen > 0, max(chosen, 1)
+    depth = as_depth(depth)
+    if mtp and not runtime.has_mtp:
+        raise ValueError("use_mtp=True needs a runtime with MTP head weights (this one has none)")
+    recurrent = session.has_recurrent_layers(runtime)
+    if recurrent and not session.gated_delta_trunk(runtime):
+        raise ValueError(f"Engine: {session.NOT_CAPTURABLE.format(getattr(runtime, 'model_type', '?'))}")
+    return mtp, depth, recurrent and (mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
+
+
+__all__ = ["KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
+           "check_stops", "decode_mode", "fits", "model_context", "request_need"]

@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext._checks import as_depth, as_int, as_prompts, as_seed, as_stop_ids
+from mtplx_ext._checks import as_int, as_prompts, as_seed, as_stop_ids
 from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.prefix_cache import PrefixCache
@@ -25,9 +25,7 @@ from mtplx_ext.batching.requests import Event, Request, batch_kind
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.batching.token_logprobs import check_logprobs, cycle_entries, prefill_entry
 from mtplx_ext.engine import session
-from mtplx_ext.engine.autodepth import AUTO
 from mtplx_ext.engine.cycle import Cycle
-from mtplx_ext.engine.generate import auto_depth
 from mtplx_ext.engine.results import BatchedDecodeResult
 from mtplx_ext.engine.streams import Streams
 from mtplx_ext.sampling import SamplerConfig
@@ -77,19 +75,7 @@ class Engine:
     ):
         self.rt = runtime
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
-        self.mtp = bool(use_mtp)
-        if depth == AUTO:  # the fastest depth for a full batch here (0: plain decoding)
-            chosen = auto_depth(runtime, self.max_batch) if self.mtp else 1
-            self.mtp, depth = self.mtp and chosen > 0, max(chosen, 1)
-        self.depth = as_depth(depth)
-        if self.mtp and not runtime.has_mtp:
-            raise ValueError("use_mtp=True needs a runtime with MTP head weights (this one has none)")
-        recurrent = session.has_recurrent_layers(runtime)
-        if recurrent and not session.gated_delta_trunk(runtime):
-            raise ValueError(f"Engine: {session.NOT_CAPTURABLE.format(getattr(runtime, 'model_type', '?'))}")
-        # As fixed-batch decoding decides: the capture for per-stream commit,
-        # else only for runtimes that opted into fused CPU ops.
-        self._route = recurrent and (self.mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
+        self.mtp, self.depth, self._route = admission.decode_mode(runtime, bool(use_mtp), depth, self.max_batch)
         default_ctx = admission.model_context(runtime)
         self.context = as_int("context", context if context is not None else default_ctx, lo=2)
         self.max_kv_slots = as_int(
@@ -157,19 +143,14 @@ class Engine:
             raise TypeError("prompt must be a list of token ids, got a string (tokenize it first)")
         prompt = as_prompts([prompt], self.vocab)[0]
         max_tokens = as_int("max_tokens", max_tokens, lo=1)
-        if sampler is None:
-            sampler = SamplerConfig(temperature=0.0)
-        if not isinstance(sampler, SamplerConfig):
-            raise TypeError(f"sampler must be a SamplerConfig or None, got {type(sampler).__name__}")
-        admission.check_logit_bias(sampler, self.vocab)
+        sampler = admission.check_sampler(sampler, self.vocab)
         logprobs = check_logprobs(logprobs)
         stop_ids = as_stop_ids(stop_token_ids, self.vocab)
         stops = admission.check_stops(stop, self.tokenizer is not None)
         seed = as_seed("seed", seed)
         if seed is None:
             seed = int(self._rng.integers(0, 2**63))
-        if on_event is not None and not callable(on_event):
-            raise TypeError("on_event must be callable or None")
+        admission.check_callback(on_event)
         admission.check_context(len(prompt), max_tokens, self.context)
         req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
                       depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer, logprobs=logprobs)
