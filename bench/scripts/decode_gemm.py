@@ -11,6 +11,9 @@ noisy neighbour hits them alike; medians of the repeats:
 * old: the routing before it, the small-row kernel up to 8 rows, OpenBLAS above;
 * openblas: every product through OpenBLAS's sgemm.
 
+Besides the wall-time medians it prints each setting's least process CPU
+time per pass: on a machine shared with other work, the kernel's own cost.
+
 The same run measures this machine's read bandwidth (a one-thread NumPy sum
 over 1 GiB, before and after the passes) and prints the weight-streaming
 floor (weight bytes / bandwidth) beside the passes.
@@ -66,17 +69,19 @@ def passes(weights: list[mx.array], rows: list[int], repeats: int, split_bytes: 
     xs = {(m, k): mx.random.normal((m, k)) for m in rows for k in {int(w.shape[1]) for w in weights}}
     mx.eval(list(xs.values()))
     times: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
     for rep in range(repeats + 1):  # repeat 0 warms up
         for m in rows:
             for s in SETTINGS:
                 apply(s, split_bytes)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for w in weights:  # one product at a time, as a forward runs them
                     mx.eval(xs[m, int(w.shape[1])] @ w.T)
                 if rep:
                     times.setdefault((s, m), []).append(time.perf_counter() - t0)
+                    cpu.setdefault((s, m), []).append(time.process_time() - c0)
     apply("decode 2t", split_bytes)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, {k: min(v) for k, v in cpu.items()}
 
 
 def split_sweep(rows: list[int], repeats: int) -> None:
@@ -128,7 +133,7 @@ def main() -> None:
     weights = trunk_weights(args.model)
     nbytes = sum(w.nbytes for w in weights)
     bw0 = read_bandwidth()
-    med = passes(weights, rows, args.repeats, split_bytes)
+    med, cpu = passes(weights, rows, args.repeats, split_bytes)
     bw1 = read_bandwidth()
     bw = statistics.median([bw0, bw1])
     floor = streaming_floor_s(nbytes, bw)
@@ -142,6 +147,15 @@ def main() -> None:
         v = [med[s, m] * 1e3 for s in SETTINGS]
         print(f"| {m} | " + " | ".join(f"{x:.1f}" for x in v) + f" | {v[0] / (floor * 1e3):.2f} | "
               f"{med['decode 2t', m] / med['decode 2t', rows[0]]:.2f} | {v[3] / v[0]:.2f} | {v[2] / v[0]:.2f} |")
+    # CPU time counts only the time this process ran, not the time other
+    # processes held its core: on a loaded machine, the closer measure of a
+    # kernel's own cost (it counts both threads of "decode 2t").
+    print("\nprocess CPU time per pass, least of the repeats (ms):")
+    print("| M | " + " | ".join(SETTINGS) + " | decode 1t / [1] |")
+    print("|---:|" + "---:|" * (len(SETTINGS) + 1))
+    for m in rows:
+        print(f"| {m} | " + " | ".join(f"{cpu[s, m] * 1e3:.1f}" for s in SETTINGS) +
+              f" | {cpu['decode 1t', m] / cpu['decode 1t', rows[0]]:.2f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
@@ -151,6 +165,7 @@ def main() -> None:
             "blas": _blas.describe(), "mlx": mx.__version__, "cpu": platform.processor() or platform.machine(),
             "read_bandwidth": [bw0, bw1], "floor_s": floor, "split_bytes": split_bytes,
             "median_pass_s": {f"{s}|{m}": med[s, m] for s in SETTINGS for m in rows},
+            "least_cpu_s": {f"{s}|{m}": cpu[s, m] for s in SETTINGS for m in rows},
             "load_average_after": os.getloadavg(),
         }, indent=1))
 

@@ -26,7 +26,7 @@ struct Prefetch {
 
   inline void step() {
     for (int q = 0; q < per_step && p < end; ++q, p += 64) {
-      __builtin_prefetch(p, 0, 2);
+      __builtin_prefetch(p, 0, 3);
     }
   }
 };
