@@ -118,9 +118,11 @@ DEEP = "[" * 100_000 + "]" * 100_000
         ("/v1/completions", '{"prompt": "x", "temperature": -1}', "temperature", "temperature must be"),
         ("/v1/completions", '{"prompt": "x", "top_p": 2}', "top_p", "top_p must be"),
         ("/v1/completions", '{"prompt": "x", "top_k": 99999999}', "top_k", "top_k must be"),
+        ("/v1/completions", '{"prompt": [1, 99999]}', "prompt", "prompt[1] = 99999 is outside the vocabulary"),
     ],
     ids=["surrogate-prompt", "surrogate-stop", "surrogate-chat", "surrogate-part", "surrogate-key", "deep-body",
-         "deep-field", "long-max-tokens", "long-negative", "long-seed", "role", "temperature", "top-p", "top-k"],
+         "deep-field", "long-max-tokens", "long-negative", "long-seed", "role", "temperature", "top-p", "top-k",
+         "token-id"],
 )
 def test_odd_bodies_get_a_400_naming_the_field_and_the_connection_stays_usable(server, path, raw, param, needle):
     before = metrics(server, KEY)["submitted"]
@@ -129,7 +131,7 @@ def test_odd_bodies_get_a_400_naming_the_field_and_the_connection_stays_usable(s
     assert status == 400, err
     e = err["error"]
     assert needle in e["message"] and e["param"] == param and e["type"] == "invalid_request_error", e
-    assert "SamplerConfig" not in e["message"] and "Traceback" not in e["message"]
+    assert "SamplerConfig" not in e["message"] and "prompts[" not in e["message"] and "Traceback" not in e["message"]
     assert not closes
     sock = conn.sock
     status, ok, _ = _post(conn, "/v1/completions", b'{"prompt": "def f(", "max_tokens": 3, "temperature": 0}')
@@ -192,6 +194,6 @@ def test_the_server_reports_its_warm_up_and_starts_its_counters_at_zero():
     warm = [i for i, line in enumerate(lines) if line.startswith("mtplx-ext serve: warmed up in ")]
     ready = [i for i, line in enumerate(lines) if line.startswith("mtplx-ext serve: ready on http://127.0.0.1:")]
     assert warm and ready and warm[0] < ready[0], out
-    assert "at batch 3" in lines[warm[0]]
+    assert "at batch 1 and 3" in lines[warm[0]]
     assert all(m[k] == 0 for k in ("submitted", "finished", "cancelled", "failed", "generated_tokens", "cycles"))
     assert m["prefix_entries"] == 0 and m["prefix_lookups"] == 0

@@ -80,11 +80,14 @@ class API:
         return body
 
     def submit(self, prompt: list[int], args: dict, on_event: Any) -> Request:
-        """Queue a checked request on the engine; what the engine refuses is a 400."""
+        """Queue a checked request on the engine; what the engine refuses is a 400 (in the request's terms)."""
         try:
             return self.engine.submit(prompt, on_event=on_event, **args)
         except (ValueError, TypeError) as e:
-            raise BadRequest(str(e)) from None
+            msg = str(e)
+            if msg.startswith("prompts[0]"):  # the engine's one-prompt list: the request's prompt ids
+                raise BadRequest("prompt" + msg[len("prompts[0]"):], "prompt") from None
+            raise BadRequest(msg) from None
 
     # -- routes ---------------------------------------------------------------------
 

@@ -1,0 +1,43 @@
+"""`mtplx-ext serve`'s own checks: what fails before the model loads is one `mtplx-ext: error:` line, status 2."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mtplx_ext import cli
+from mtplx_ext.cli import common as cli_common
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded")
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr(cli_common, "load_model", _no_model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["serve", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mtplx-ext: error: cannot listen on 127.0.0.1:"), err
+    assert str(port) in err and "in use" in err
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--shutdown-grace", "-1"], "--shutdown-grace"),
+        (["--shutdown-grace", "nan"], "--shutdown-grace"),
+        (["--max-body-mb", "0"], "--max-body-mb"),
+        (["--max-body-mb", "inf"], "--max-body-mb"),
+        (["--host", "256.1.1.1"], "cannot listen on 256.1.1.1"),
+    ],
+)
+def test_bad_serve_flags_are_one_line_before_the_model_loads(flags, needle, capsys, monkeypatch):
+    monkeypatch.setattr(cli_common, "load_model", _no_model)
+    assert cli.main(["serve", "--port", "0", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mtplx-ext: error:") and needle in err, err
