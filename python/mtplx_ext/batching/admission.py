@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mtplx_ext._checks import as_int
+
 #: KV capacities are rounded up to this many slots (fewer distinct traces).
 KV_BLOCK = 128
 
@@ -60,4 +62,11 @@ def check_stops(stop: Sequence[str] | str, has_tokenizer: bool) -> tuple[str, ..
     return stops
 
 
-__all__ = ["KV_BLOCK", "capacity", "check_context", "model_context", "check_stops", "fits", "request_need"]
+def request_depth(depth: object, engine_depth: int, mtp: bool) -> int:
+    """A request's most drafts per cycle: None gives the engine's K (0 without MTP); else an int in [0, K]."""
+    k = engine_depth if mtp else 0
+    return k if depth is None else as_int("depth", depth, lo=0, hi=k + 1)
+
+
+__all__ = ["KV_BLOCK", "capacity", "check_context", "model_context", "check_stops", "fits", "request_depth",
+           "request_need"]

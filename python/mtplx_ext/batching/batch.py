@@ -106,6 +106,7 @@ def batch_streams(reqs: Sequence[Request], vocab: int, depth: int, mtp: bool, st
         r.x0_committed = False
     st.result = stats
     st.row_stats = [r.stats for r in reqs]
+    st.row_depth[:] = [min(r.depth, depth) for r in reqs]
     return st
 
 
@@ -119,9 +120,11 @@ class Batch:
         kind: "greedy", "sampled" or "penalties" (`batch_kind`).
         depth: drafts per cycle.
         mtp: MTP decoding (False: plain).
+        capped: rows may accept fewer drafts than `depth` (each its request's
+            `depth`, `Cycle.row_depth`); a batch whose rows all take K has no cut.
     """
 
-    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool):
+    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool, capped: bool = False):
         self.B, self.cap, self.kind = B, cap, kind
         pads = [0] * B
         self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
@@ -131,6 +134,8 @@ class Batch:
         else:
             self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties")
         self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp)
+        if capped:
+            self.cycle.row_depth = mx.full((B,), depth, dtype=mx.int32)
         self.compiled = False
 
     def caches(self) -> list[list]:
@@ -139,6 +144,8 @@ class Batch:
     def load(self, rows: Rows, reqs: Sequence[Request]) -> None:
         """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
         rows.cache.load_into(self.caches(), self.B, self.cap)
+        if self.cycle.row_depth is not None:
+            self.cycle.row_depth = mx.array([r.depth for r in reqs], dtype=mx.int32)
         self.policy.load_rows(
             [r.seed for r in reqs], [r.sampler for r in reqs], [r.step_off for r in reqs], rows.next[:, 0], rows.counts
         )

@@ -78,7 +78,6 @@ class Engine:
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
         self.mtp = bool(use_mtp)
         if depth == AUTO:  # the fastest depth for a full batch here (0: plain decoding)
-            self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
             chosen = auto_depth(runtime, self.max_batch) if self.mtp else 1
             self.mtp, depth = self.mtp and chosen > 0, max(chosen, 1)
         self.depth = as_depth(depth)
@@ -108,7 +107,7 @@ class Engine:
         self._ready: list[Request] = []  # prefilled, not merged yet
         self._live: list[Request] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
-        self._batches: dict[tuple[int, int, str], Batch] = {}
+        self._batches: dict[tuple[int, int, str, bool], Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
@@ -132,6 +131,7 @@ class Engine:
         stop: Sequence[str] | str = (),
         seed: int | None = None,
         on_event: Callable[[Event], None] | None = None,
+        depth: int | None = None,
     ) -> Request:
         """Queues a request; it is admitted at a later engine step.
 
@@ -143,6 +143,7 @@ class Engine:
             stop: strings that end the request (cut from its text; needs a tokenizer).
             seed: the sampled path's seed (None: a random one).
             on_event: called with each `Event` on the engine's thread (keep it short).
+            depth: most drafts a cycle commits for it, 0..K (0: one token per cycle); None: K.
 
         Raises:
             TypeError / ValueError: naming the bad argument; a request that
@@ -163,9 +164,10 @@ class Engine:
             seed = int(self._rng.integers(0, 2**63))
         if on_event is not None and not callable(on_event):
             raise TypeError("on_event must be callable or None")
+        depth = admission.request_depth(depth, self.depth, self.mtp)
         admission.check_context(len(prompt), max_tokens, self.context)
         req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
-                      depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer)
+                      depth=depth, tokenizer=self.tokenizer)
         req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
         if admission.capacity(req.need) > self.max_kv_slots:
             raise ValueError(
@@ -355,10 +357,10 @@ class Engine:
         for r in new:
             r.row = None
         rows = merge_rows(parts, cap, kind, self.mtp, self.vocab)
-        key = (B, cap, kind)
+        key = (B, cap, kind, self.mtp and any(r.depth < self.depth for r in reqs))  # rows that cap their drafts
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp)
+            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp, capped=key[3])
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info

@@ -82,7 +82,13 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
         prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer, reply.tool_list)
     else:
         prompt = params.completion_prompt(body, api.tokenizer)
-    return prompt, params.submit_args(body, kind, api.eos_ids), reply
+    return prompt, engine_args(api, body, params.submit_args(body, kind, api.eos_ids)), reply
+
+
+def engine_args(api: Any, body: dict, args: dict[str, Any]) -> dict[str, Any]:
+    """`args` plus the extension fields that reach the engine (`mtp`: this request's depth)."""
+    depth = fields.mtp_depth(body, api.engine.depth if api.engine.mtp else 0)
+    return args if depth is None else {**args, "depth": depth}
 
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
@@ -217,9 +223,9 @@ def usage(r: Request) -> dict[str, int]:
 
 
 def mtp_stats(r: Request, engine: Engine) -> dict[str, Any]:
-    """The extension field `mtp`: the depth served and the request's acceptance."""
-    return {"depth": engine.depth if engine.mtp else 0, "cycles": r.cycles, "accepted_drafts": r.accepted,
+    """The extension field `mtp`: the request's depth and acceptance."""
+    return {"depth": r.depth, "cycles": r.cycles, "accepted_drafts": r.accepted,
             "acceptance": r.acceptance, "mean_accepted_length": r.mean_accepted_length}
 
 
-__all__ = ["Reply", "choice_json", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]
+__all__ = ["Reply", "choice_json", "engine_args", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]
