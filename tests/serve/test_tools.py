@@ -75,6 +75,8 @@ def test_tool_stream_cuts_the_calls_out_of_any_chunking_and_keeps_all_other_text
 @pytest.mark.parametrize("reply", [
     "a <tool_call>{not json}</tool_call> b",  # does not parse
     'a <tool_call>{"arguments": {}}</tool_call> b',  # no name
+    'a <tool_call>{"name": "now", "arguments": "not json"}</tool_call> b',  # arguments no JSON object
+    'a <tool_call>{"name": "now", "arguments": [1, 2]}</tool_call> b',
     'cut off <tool_call>{"name": "now", "argu',  # the reply ended inside the call
     "<tool_ca",  # the reply ended inside the marker
 ])

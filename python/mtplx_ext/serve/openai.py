@@ -74,7 +74,8 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
     reply = Reply(kind, include_usage=fields.include_usage(body))
     if kind == "chat":
         tool_list, choice = tools.check_tools(body)
-        parallel = body.get("parallel_tool_calls", True)
+        parallel = body.get("parallel_tool_calls")
+        parallel = True if parallel is None else parallel
         if not isinstance(parallel, bool):
             raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         if choice != "none":  # "none": the model neither sees the tools nor calls them
