@@ -79,8 +79,8 @@ def test_sampled_rows_of_mixed_depths_finish_and_honour_their_depth(shipped):
         assert r.error is None and len(r.tokens) == 30
         assert max(_cycle_commits(log)) <= d + 1
     # Each row's tokens are its own seed's: decoded alone at the same depth they are the same.
+    alone = Engine(shipped, max_batch=1, depth=2)
     for r, c, d in zip(reqs, cfgs, (0, 1, 2)):
-        alone = Engine(shipped, max_batch=1, depth=2)
         a = alone.submit(r.prompt, max_tokens=30, sampler=c, depth=d, seed=r.seed)
         alone.run_until_idle()
         assert a.tokens == r.tokens

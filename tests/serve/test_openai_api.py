@@ -12,21 +12,20 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from _serve import start_cli, stop_cli  # noqa: E402
+from _serve import KEY  # noqa: E402
 
 from mtplx_ext.serve import load_chat_tokenizer  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
-KEY = "k-" + os.urandom(4).hex()
 MODEL = "tiny-qwen3-mtp"
 H = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base = start_cli("--api-key", KEY, "--max-batch", "4", "--depth", "2")
-    yield base
-    assert stop_cli(proc) == 0
+def server(live_server):
+    base, key = live_server
+    assert key == KEY
+    return base
 
 
 def _client(base: str) -> "openai.OpenAI":
