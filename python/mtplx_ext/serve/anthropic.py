@@ -141,7 +141,7 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
     if choice != "none":
         tc = body.get("tool_choice") or {}
         reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
-                          parallel=not tc.get("disable_parallel_tool_use", False))
+                          parallel=not tc.get("disable_parallel_tool_use", False), choice=choice)
     prompt = params.template_prompt(_messages(body), api.tokenizer, api.chat_tokenizer, reply.tool_list)
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

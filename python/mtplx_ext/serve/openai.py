@@ -39,14 +39,21 @@ class Reply:
     fmt: Any = None  # tools.ToolFormat when tool calls are parsed
     parallel: bool = True
     include_usage: bool = False
+    #: "auto", "required" or a named choice when tools are parsed (see `tools.forced_call_schema`).
+    tool_choice: Any = "none"
 
     def __post_init__(self) -> None:
         self._split: tools.ToolStream | None = None
         self.n_calls = 0
 
-    def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True) -> None:
-        """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only)."""
-        self.tool_list, self.fmt, self.parallel = tool_list, fmt, parallel
+    def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True, choice: Any = "auto") -> None:
+        """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only).
+
+        A `required` or named `choice` is what a grammar would force:
+        `tools.forced_call_schema(self.tool_list, self.tool_choice)` between
+        `fmt.prefix` and `fmt.suffix`; without one the reply runs unconstrained.
+        """
+        self.tool_list, self.fmt, self.parallel, self.tool_choice = tool_list, fmt, parallel, choice
         self._split = tools.ToolStream(fmt, tool_list)
 
     def pieces(self, text: str) -> list[tuple[str, Any]]:
@@ -79,7 +86,7 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
         if not isinstance(parallel, bool):
             raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         if choice != "none":  # "none": the model neither sees the tools nor calls them
-            reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel)
+            reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel, choice)
         prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer, reply.tool_list)
     else:
         prompt = params.completion_prompt(body, api.tokenizer)
