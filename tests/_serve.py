@@ -27,6 +27,8 @@ from mtplx_ext.serve import API, create_app, load_chat_tokenizer
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parents[1])
+#: The API key of the shared live server (`tests/serve/conftest.py`): a bearer token or x-api-key.
+KEY = "k-" + os.urandom(4).hex()
 
 #: A Qwen-style chat template with tools (written for these tests): tools in a
 #: system block, calls as <tool_call>{json}</tool_call>, results as <tool_response>.

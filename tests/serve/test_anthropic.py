@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import string
 
 import httpx
@@ -14,13 +13,12 @@ import pytest
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
 
-from _serve import AppThread, ScriptedEngine, start_cli, stop_cli, tool_model_folder  # noqa: E402
+from _serve import KEY, AppThread, ScriptedEngine, tool_model_folder  # noqa: E402
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext.serve import load_chat_tokenizer  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
-KEY = "k-" + os.urandom(4).hex()
 MODEL = "tiny-qwen3-mtp"
 #: Greedy decoding (this anthropic client has no sampling arguments of its own; the API has them).
 GREEDY = {"temperature": 0}
@@ -29,10 +27,10 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base = start_cli("--api-key", KEY, "--max-batch", "4", "--depth", "2")
-    yield base
-    assert stop_cli(proc) == 0
+def server(live_server):
+    base, key = live_server
+    assert key == KEY
+    return base
 
 
 def _events(base: str, body: dict, headers: dict) -> list[tuple[str, dict]]:

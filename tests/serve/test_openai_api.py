@@ -12,21 +12,20 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from _serve import start_cli, stop_cli  # noqa: E402
+from _serve import KEY  # noqa: E402
 
 from mtplx_ext.serve import load_chat_tokenizer  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
-KEY = "k-" + os.urandom(4).hex()
 MODEL = "tiny-qwen3-mtp"
 H = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base = start_cli("--api-key", KEY, "--max-batch", "4", "--depth", "2")
-    yield base
-    assert stop_cli(proc) == 0
+def server(live_server):
+    base, key = live_server
+    assert key == KEY
+    return base
 
 
 def _client(base: str) -> "openai.OpenAI":
@@ -152,3 +151,26 @@ def test_x_api_key_is_accepted_beside_the_bearer_token(server):
     assert httpx.post(server + "/v1/completions", json=body, headers={"x-api-key": KEY}, timeout=60).status_code == 200
     r = httpx.post(server + "/v1/completions", json=body, headers={"x-api-key": "wrong"}, timeout=60)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_per_request_mtp_depth_keeps_greedy_tokens_and_is_honoured(server):
+    client = _client(server)
+    rng = np.random.default_rng()
+    prompt = "class Stack:\n    def __init__(self):" + " " * int(rng.integers(0, 3))
+    n = int(rng.integers(16, 32))
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
+    assert full.model_extra["mtp"]["depth"] == 2
+    for depth in (0, 1):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"mtp": {"depth": depth}})
+        mtp = r.model_extra["mtp"]
+        assert r.choices[0].text == full.choices[0].text
+        assert mtp["depth"] == depth and mtp["accepted_drafts"] <= depth * mtp["cycles"]
+        # Each cycle commits at most depth + 1 tokens (the prefill commits the first).
+        assert r.usage.completion_tokens <= 1 + (depth + 1) * mtp["cycles"]
+    off = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=n,
+                                         temperature=0, extra_body={"mtp": False})
+    assert off.model_extra["mtp"]["accepted_drafts"] == 0 and off.model_extra["mtp"]["depth"] == 0
+    for bad in ({"depth": 3}, {"depth": -1}, {"depth": "1"}, {"k": 1}, 2):
+        r = httpx.post(server + "/v1/completions", json={"prompt": "x", "mtp": bad}, headers=H, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("mtp"), (bad, r.text)

@@ -75,6 +75,8 @@ def test_tool_stream_cuts_the_calls_out_of_any_chunking_and_keeps_all_other_text
 @pytest.mark.parametrize("reply", [
     "a <tool_call>{not json}</tool_call> b",  # does not parse
     'a <tool_call>{"arguments": {}}</tool_call> b',  # no name
+    'a <tool_call>{"name": "now", "arguments": "not json"}</tool_call> b',  # arguments no JSON object
+    'a <tool_call>{"name": "now", "arguments": [1, 2]}</tool_call> b',
     'cut off <tool_call>{"name": "now", "argu',  # the reply ended inside the call
     "<tool_ca",  # the reply ended inside the marker
 ])
@@ -234,3 +236,19 @@ def test_parallel_calls_none_choice_and_a_named_choice(app):
     named = client.chat.completions.create(model="stub", messages=msgs, tools=[WEATHER, CLOCK], max_tokens=300,
                                            tool_choice={"type": "function", "function": {"name": "now"}})
     assert named.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_request_hands_the_grammar_its_forced_call(app):
+    from types import SimpleNamespace
+
+    from mtplx_ext.serve.openai import parse_request
+
+    a, eng, chat_tok = app
+    api = SimpleNamespace(tokenizer=eng.tokenizer, chat_tokenizer=chat_tok, eos_ids=(), engine=eng)
+    msgs = [{"role": "user", "content": "now?"}]
+    for choice, want in (("required", forced_call_schema([WEATHER, CLOCK], "required")),
+                         ({"type": "function", "function": {"name": "now"}}, forced_call_schema([CLOCK], "required")),
+                         ("auto", None)):
+        _, _, reply = parse_request(api, {"messages": msgs, "tools": [WEATHER, CLOCK], "tool_choice": choice}, "chat")
+        assert forced_call_schema(reply.tool_list, reply.tool_choice) == want
+        assert (reply.fmt.prefix, reply.fmt.suffix) == ("<tool_call>\n", "\n</tool_call>")

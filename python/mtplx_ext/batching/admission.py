@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mtplx_ext._checks import as_depth
+from mtplx_ext._checks import as_depth, as_int
 from mtplx_ext.engine import session
 from mtplx_ext.engine.autodepth import AUTO
 from mtplx_ext.engine.generate import auto_depth
@@ -117,5 +117,11 @@ def decode_mode(runtime: Any, mtp: bool, depth: int | str, max_batch: int) -> tu
     return mtp, depth, recurrent and (mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
 
 
+def request_depth(depth: object, engine_depth: int, mtp: bool) -> int:
+    """A request's most drafts per cycle: None gives the engine's K (0 without MTP); else an int in [0, K]."""
+    k = engine_depth if mtp else 0
+    return k if depth is None else as_int("depth", depth, lo=0, hi=k + 1)
+
+
 __all__ = ["KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
-           "check_stops", "decode_mode", "fits", "model_context", "request_need"]
+           "check_stops", "decode_mode", "fits", "model_context", "request_depth", "request_need"]

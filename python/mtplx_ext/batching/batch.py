@@ -109,6 +109,7 @@ def batch_streams(reqs: Sequence[Request], vocab: int, depth: int, mtp: bool, st
         r.x0_committed = False
     st.result = stats
     st.row_stats = [r.stats for r in reqs]
+    st.row_depth[:] = [min(r.depth, depth) for r in reqs]
     return st
 
 
@@ -128,10 +129,12 @@ class Batch:
             for the compiled steps.
         logprobs: some row asked for logprobs: every cycle computes them
             (`Cycle(logprobs=True)`).
+        capped: rows may accept fewer drafts than `depth` (each its request's
+            `depth`, `Cycle.row_depth`); a batch whose rows all take K has no cut.
     """
 
     def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool, biased: bool = False,
-                 logprobs: bool = False):
+                 logprobs: bool = False, capped: bool = False):
         self.B, self.cap, self.kind = B, cap, kind
         width = MAX_LOGIT_BIAS if biased else None
         pads = [0] * B
@@ -146,6 +149,8 @@ class Batch:
         if policy_kind != kind:  # constrained rows: the mask is an input of the compiled steps
             self.policy.mask = mx.full((B, depth + 1 if mtp else 1, mask_words(runtime.vocab_size)), -1, mx.int32)
         self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp, logprobs=logprobs)
+        if capped:
+            self.cycle.row_depth = mx.full((B,), depth, dtype=mx.int32)
         self.compiled = False
 
     def caches(self) -> list[list]:
@@ -154,6 +159,8 @@ class Batch:
     def load(self, rows: Rows, reqs: Sequence[Request]) -> None:
         """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
         rows.cache.load_into(self.caches(), self.B, self.cap)
+        if self.cycle.row_depth is not None:
+            self.cycle.row_depth = mx.array([r.depth for r in reqs], dtype=mx.int32)
         self.policy.load_rows(
             [r.seed for r in reqs], [r.sampler for r in reqs], [r.step_off for r in reqs], rows.next[:, 0], rows.counts
         )

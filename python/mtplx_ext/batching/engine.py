@@ -94,7 +94,7 @@ class Engine:
         self._ready: list[Request] = []  # prefilled, not merged yet
         self._live: list[Request] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
-        self._batches: dict[tuple[int, int, str, bool, bool], Batch] = {}
+        self._batches: dict[tuple[int, int, str, bool, bool, bool], Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
@@ -121,6 +121,7 @@ class Engine:
         on_event: Callable[[Event], None] | None = None,
         logprobs: int | None = None,
         constraint: Any = None,
+        depth: int | None = None,
     ) -> Request:
         """Queues a request; it is admitted at a later engine step.
 
@@ -134,6 +135,7 @@ class Engine:
             on_event: called with each `Event` on the engine's thread (keep it short).
             logprobs: None, or alternatives per token (0..20): each token's logprob (`token_logprobs`).
             constraint: a `Constraint` (a grammar; `batching.constrained`), used by this request only.
+            depth: most drafts a cycle commits for it, 0..K (0: one token per cycle); None: K.
 
         Raises:
             TypeError / ValueError: naming the bad argument; a request that
@@ -151,9 +153,10 @@ class Engine:
         if seed is None:
             seed = int(self._rng.integers(0, 2**63))
         admission.check_callback(on_event)
+        depth = admission.request_depth(depth, self.depth, self.mtp)
         admission.check_context(len(prompt), max_tokens, self.context)
         req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
-                      depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer, logprobs=logprobs)
+                      depth=depth, tokenizer=self.tokenizer, logprobs=logprobs)
         req.constraint = constrained.check_constraint(constraint)
         req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
         if admission.capacity(req.need) > self.max_kv_slots:
@@ -346,7 +349,8 @@ class Engine:
         for r in new:
             r.row = None
         rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab)
-        key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs))
+        key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs),
+               self.mtp and any(r.depth < self.depth for r in reqs))  # rows that cap their drafts
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp, *key[3:])

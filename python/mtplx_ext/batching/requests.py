@@ -52,6 +52,7 @@ class Request:
         text: final text so far (with a tokenizer).
         finish_reason: None while running, else "stop", "length", "cancelled" or "error".
         error: the failure message, if any.
+        depth: the most drafts one cycle may commit for it (0: one token per cycle).
         stats: the request's own MTP statistics (`DraftStats`).
         cycles: decode cycles its row ran in.
         submitted_s, first_token_s, finished_s: `time.perf_counter()` stamps.
@@ -87,6 +88,7 @@ class Request:
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.depth = depth  # most drafts a cycle may commit for it
         self.stats = DraftStats(depth=depth)
         self.cycles = 0  # decode cycles its row ran in
         self.submitted_s = time.perf_counter()

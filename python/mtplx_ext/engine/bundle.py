@@ -16,7 +16,7 @@ from mtplx_ext.ops.greedy_verify import CHAIN_COL_FIRST as COL_TOKENS
 from mtplx_ext.ops.greedy_verify import CHAIN_COL_X0 as COL_X0
 from mtplx_ext.ops.greedy_verify import INVALID
 
-__all__ = ["COL_N", "COL_TOKENS", "COL_X0", "INVALID", "accepted_count", "committed_tokens"]
+__all__ = ["COL_N", "COL_TOKENS", "COL_X0", "INVALID", "accepted_count", "committed_tokens", "drop_drafts_beyond"]
 
 
 def committed_tokens(bundle: mx.array) -> mx.array:
@@ -27,3 +27,14 @@ def committed_tokens(bundle: mx.array) -> mx.array:
 def accepted_count(bundle: mx.array) -> mx.array:
     """[B] n, with an INVALID row read as 0 (its stream fails on the host)."""
     return mx.maximum(bundle[:, COL_N], 0)
+
+
+def drop_drafts_beyond(tokens: mx.array, row_depth: mx.array) -> mx.array:
+    """[B, K + 1] (x0, d_1..d_K) with row b's drafts past row_depth[b] set to -1, for verification.
+
+    Both chain verifications reject a draft outside [0, V) and commit the
+    target's own token there (greedy: its argmax; sampled: a draw from p),
+    so row b commits at most row_depth[b] drafts and stays exact.
+    """
+    drafts = mx.arange(tokens.shape[1])[None, :]  # column j holds draft j (column 0 is x0)
+    return mx.where(drafts > row_depth[:, None], -1, tokens).astype(tokens.dtype)

@@ -133,6 +133,8 @@ class Cycle:
         self.recurrent = rollback.has_recurrent_state(cache)
         self.per_stream = per_stream
         self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth, cache)
+        # [B] int32 most drafts row b may accept (<= K), or None (K for all).
+        self.row_depth: mx.array | None = None
         # Compiled steps by kind (see `compile_steps`), or None (eager).
         self.compiled: dict[str, CompiledStep] | None = None
 
@@ -195,11 +197,17 @@ class Cycle:
         if self.recurrent and self.per_stream:
             with gated_delta.capture(rollback.recurrent_caches(self.cache)) as cap:
                 logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
-            return self._with_logprobs(Pending(self.policy.verify(logits, tokens, info, step), hidden, capture=cap),
+            return self._with_logprobs(Pending(self._verdict(logits, tokens, info, step), hidden, capture=cap),
                                        logits)
         snap = rollback.snapshot_recurrent(self.cache) if self.recurrent else None
         logits, hidden = self.rt.forward(model_tokens(tokens), self.cache)
-        return self._with_logprobs(Pending(self.policy.verify(logits, tokens, info, step), hidden, snap), logits)
+        return self._with_logprobs(Pending(self._verdict(logits, tokens, info, step), hidden, snap), logits)
+
+    def _verdict(self, logits: mx.array, tokens: mx.array, info: Any, step: Any) -> mx.array:
+        """The policy's chain bundle; a row accepts at most its `row_depth` drafts (`chain.drop_drafts_beyond`)."""
+        if self.row_depth is not None:
+            tokens = chain.drop_drafts_beyond(tokens, self.row_depth)
+        return self.policy.verify(logits, tokens, info, step)
 
     def _with_logprobs(self, p: Pending, logits: mx.array) -> Pending:
         # Row j of the verification gives c_{j+1} (accepted draft or the
@@ -273,6 +281,7 @@ class Cycle:
         when first needed). All kinds share the caches and the policy's state.
         """
         self._holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
+        self._holders += [(self, "row_depth")] if self.row_depth is not None else []
         if self.head_cache is None:
             units = {"plain": self._plain_unit}
         elif self.per_stream:

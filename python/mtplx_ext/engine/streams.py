@@ -61,6 +61,8 @@ class Streams:
         #: Streams whose next bundle starts with an x0 they already committed
         #: (see `resume`): their next decide leaves it out, once.
         self.x0_committed = np.zeros(n, dtype=bool)
+        #: Most drafts each stream may accept (its bundle's n is cut to it on the device).
+        self.row_depth = np.full(n, depth, dtype=np.int64)
 
     def resume(self, committed: Sequence[int], x0_committed: Sequence[bool]) -> None:
         """Streams that already committed tokens before this batch (continuous batching).
@@ -99,7 +101,7 @@ class Streams:
             if self.count[i] + len(new) >= self.caps[i]:
                 reason = "length"
                 break
-            if n is not None and j < self.depth and j <= n:
+            if n is not None and j < self.row_depth[i] and j <= n:
                 # The stream goes on after token j: draft j + 1 was checked.
                 checked += 1
                 accepted += j < n

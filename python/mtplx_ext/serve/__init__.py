@@ -1,10 +1,12 @@
-"""OpenAI-compatible serving: the HTTP app and the server around it.
+"""OpenAI- and Anthropic-compatible serving: the HTTP app and the server around it.
 
-`app` holds the routes and auth, `openai` the OpenAI handlers, `params` the
-request-field checks, `body` the body's size limit and the JSON values
-nothing downstream can use, `errors` the 400s, `disconnect` the hand-over of
-engine events and the watch for clients that went away; `server` binds the
-port, warms the engine up (`warmup`) and runs uvicorn with a bounded shutdown.
+`app` holds the routes and auth, `openai` the OpenAI handlers, `anthropic`
+the Messages API, `tools` tool calling (checks, template messages, parsing
+the reply), `params` and `fields` the request-field checks, `body` the
+body's size limit and the JSON values nothing downstream can use, `errors`
+the 400s, `disconnect` the hand-over of engine events and the watch for
+clients that went away; `server` binds the port, warms the engine up
+(`warmup`) and runs uvicorn with a bounded shutdown.
 
 The HTTP handlers only parse, queue work for the engine's thread and stream
 its events back; every MLX call runs on the engine's thread.

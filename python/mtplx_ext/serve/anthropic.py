@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from mtplx_ext.batching import Event, Request
 from mtplx_ext.serve import disconnect, params, tools
 from mtplx_ext.serve.errors import BadRequest, anthropic_error
-from mtplx_ext.serve.openai import Reply, mtp_stats
+from mtplx_ext.serve.openai import Reply, engine_args, mtp_stats
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 #: Messages fields that would change the reply and that this server does not implement.
@@ -141,13 +141,13 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
     if choice != "none":
         tc = body.get("tool_choice") or {}
         reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
-                          parallel=not tc.get("disable_parallel_tool_use", False))
+                          parallel=not tc.get("disable_parallel_tool_use", False), choice=choice)
     prompt = params.template_prompt(_messages(body), api.tokenizer, api.chat_tokenizer, reply.tool_list)
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("stop_sequences must be a list of non-empty strings", "stop_sequences")
     sampling = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}
-    args = params.submit_args(sampling, "chat", api.eos_ids)
+    args = engine_args(api, body, params.submit_args(sampling, "chat", api.eos_ids))
     args["stop"] = stops
     return prompt, args, reply
 

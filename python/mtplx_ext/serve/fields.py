@@ -94,4 +94,26 @@ def include_usage(body: dict) -> bool:
     return v
 
 
-__all__ = ["CHAT", "CHAT_ONLY", "COMMON", "COMPLETION", "check_unsupported", "include_usage"]
+def mtp_depth(body: dict, engine_depth: int) -> int | None:
+    """The extension field `mtp`: {"depth": 0..K} (0: no drafts for this request), false (0) or true (K).
+
+    None when absent (the server's depth). `engine_depth` is K, 0 when the
+    server decodes without MTP (then only 0 is allowed).
+    """
+    v = body.get("mtp")
+    if v is None or v is True:
+        return None
+    if v is False:
+        return 0
+    if not isinstance(v, dict) or set(v) - {"depth"}:
+        raise BadRequest('mtp must be {"depth": <int>}, true or false', "mtp")
+    d = v.get("depth")
+    if d is None:
+        return None
+    if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= engine_depth:
+        raise BadRequest(f"mtp.depth must be an integer in [0, {engine_depth}] (this server drafts at most "
+                         f"{engine_depth} tokens per cycle)", "mtp.depth")
+    return d
+
+
+__all__ = ["CHAT", "CHAT_ONLY", "COMMON", "COMPLETION", "check_unsupported", "include_usage", "mtp_depth"]

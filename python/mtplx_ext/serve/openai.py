@@ -39,14 +39,21 @@ class Reply:
     fmt: Any = None  # tools.ToolFormat when tool calls are parsed
     parallel: bool = True
     include_usage: bool = False
+    #: "auto", "required" or a named choice when tools are parsed (see `tools.forced_call_schema`).
+    tool_choice: Any = "none"
 
     def __post_init__(self) -> None:
         self._split: tools.ToolStream | None = None
         self.n_calls = 0
 
-    def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True) -> None:
-        """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only)."""
-        self.tool_list, self.fmt, self.parallel = tool_list, fmt, parallel
+    def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True, choice: Any = "auto") -> None:
+        """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only).
+
+        A `required` or named `choice` is what a grammar would force:
+        `tools.forced_call_schema(self.tool_list, self.tool_choice)` between
+        `fmt.prefix` and `fmt.suffix`; without one the reply runs unconstrained.
+        """
+        self.tool_list, self.fmt, self.parallel, self.tool_choice = tool_list, fmt, parallel, choice
         self._split = tools.ToolStream(fmt, tool_list)
 
     def pieces(self, text: str) -> list[tuple[str, Any]]:
@@ -74,15 +81,22 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
     reply = Reply(kind, include_usage=fields.include_usage(body))
     if kind == "chat":
         tool_list, choice = tools.check_tools(body)
-        parallel = body.get("parallel_tool_calls", True)
+        parallel = body.get("parallel_tool_calls")
+        parallel = True if parallel is None else parallel
         if not isinstance(parallel, bool):
             raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         if choice != "none":  # "none": the model neither sees the tools nor calls them
-            reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel)
+            reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel, choice)
         prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer, reply.tool_list)
     else:
         prompt = params.completion_prompt(body, api.tokenizer)
-    return prompt, params.submit_args(body, kind, api.eos_ids), reply
+    return prompt, engine_args(api, body, params.submit_args(body, kind, api.eos_ids)), reply
+
+
+def engine_args(api: Any, body: dict, args: dict[str, Any]) -> dict[str, Any]:
+    """`args` plus the extension fields that reach the engine (`mtp`: this request's depth)."""
+    depth = fields.mtp_depth(body, api.engine.depth if api.engine.mtp else 0)
+    return args if depth is None else {**args, "depth": depth}
 
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
@@ -217,9 +231,9 @@ def usage(r: Request) -> dict[str, int]:
 
 
 def mtp_stats(r: Request, engine: Engine) -> dict[str, Any]:
-    """The extension field `mtp`: the depth served and the request's acceptance."""
-    return {"depth": engine.depth if engine.mtp else 0, "cycles": r.cycles, "accepted_drafts": r.accepted,
+    """The extension field `mtp`: the request's depth and acceptance."""
+    return {"depth": r.depth, "cycles": r.cycles, "accepted_drafts": r.accepted,
             "acceptance": r.acceptance, "mean_accepted_length": r.mean_accepted_length}
 
 
-__all__ = ["Reply", "choice_json", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]
+__all__ = ["Reply", "choice_json", "engine_args", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]

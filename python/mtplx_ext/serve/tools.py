@@ -207,12 +207,24 @@ def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def openai_call(parsed: dict) -> dict:
-    """One parsed call as OpenAI's `tool_calls` item (arguments as a JSON string)."""
+def openai_call(parsed: Any) -> dict | None:
+    """One parsed call as OpenAI's `tool_calls` item (arguments as a JSON string).
+
+    None unless it has a string name and arguments that are a JSON object
+    (or a string holding one): what both APIs can hand a client.
+    """
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+        return None
     args = parsed.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
     return {"id": parsed.get("id") or _call_id(), "type": "function",
-            "function": {"name": str(parsed.get("name", "")),
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+            "function": {"name": parsed["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
 
 
 class ToolStream:
@@ -235,10 +247,9 @@ class ToolStream:
             parsed = self.fmt.parse(inner, self.tools)
         except (ValueError, KeyError, TypeError, AttributeError):
             parsed = None
-        items = parsed if isinstance(parsed, list) else [parsed]
-        if parsed is None or not all(isinstance(p, dict) and "name" in p for p in items):
+        out = [openai_call(p) for p in (parsed if isinstance(parsed, list) else [parsed])]
+        if not out or any(c is None for c in out):
             return [("text", self.fmt.start + inner + self.fmt.end)]
-        out = [openai_call(p) for p in items]
         self.calls.extend(out)
         return [("call", c) for c in out]
 
