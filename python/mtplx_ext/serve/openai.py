@@ -19,7 +19,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import params
+from mtplx_ext.serve import logprobs, params
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
@@ -53,7 +53,8 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
             r.cancel()
     if ev.kind == "error":
         return error_response(500, f"the request failed: {ev.error}", kind="server_error")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(r), "logprobs": None}
+    lp = logprobs.render(kind, api.tokenizer, r.tokens, r.token_logprobs if r.logprobs is not None else None)
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason(r), "logprobs": lp}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": r.text}
     else:
@@ -69,14 +70,24 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, kind: str)
     created = int(time.time())
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
+    # Tokens (and their logprobs) not sent yet: a chunk goes out with text.
+    held: tuple[list[int], list] = ([], [])
+    sent = [0]  # characters sent (completions' text_offset)
+
     def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        lp = None
+        if r.logprobs is not None and not first:
+            lp = logprobs.render(kind, api.tokenizer, held[0], held[1], sent[0])
+            held[0].clear()
+            held[1].clear()
+        sent[0] += len(text or "")
         if kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         out = {"id": rid, "object": obj, "created": created, "model": api.model_name, "choices": [choice]}
         if finish is not None:
             out["usage"] = usage(r)
@@ -88,6 +99,9 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, kind: str)
             yield chunk(None, None, first=True)
         while True:
             ev = await events.get()
+            if ev.kind == "tokens":
+                held[0].extend(ev.tokens)
+                held[1].extend(ev.logprobs or ())
             if ev.kind == "tokens" and ev.text:
                 yield chunk(ev.text, None)
             elif ev.kind == "done":
