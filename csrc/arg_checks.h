@@ -90,6 +90,33 @@ token_ids(const char* name, const mx::array& a, mx::Stream st) {
   return mx::contiguous(t, false, st);
 }
 
+// The dense [B, V] float32 form of a padded bias (ids [B, M] int32, values
+// [B, M] float32): row b holds the sum of its entries' values at their ids;
+// ids outside [0, V) add nothing. What the Metal kernels read.
+inline mx::array dense_logit_bias(
+    const mx::array& ids,
+    const mx::array& values,
+    int V,
+    mx::Stream st) {
+  const int B = ids.shape(0);
+  const int M = ids.shape(1);
+  auto in_vocab = mx::logical_and(
+      mx::greater_equal(ids, mx::array(0, mx::int32), st),
+      mx::less(ids, mx::array(V, mx::int32), st),
+      st);
+  auto cols = mx::where(in_vocab, ids, mx::array(0, mx::int32), st);
+  auto adds = mx::where(in_vocab, values, mx::array(0.0f, mx::float32), st);
+  auto rows = mx::broadcast_to(
+      mx::reshape(mx::arange(B, mx::int32, st), {B, 1}, st), {B, M}, st);
+  auto dense = mx::scatter_add(
+      mx::zeros({B, V}, mx::float32, st),
+      {rows, cols},
+      mx::reshape(adds, {B, M, 1, 1}, st),
+      {0, 1},
+      st);
+  return mx::contiguous(dense, false, st);
+}
+
 // A padded per-row logit bias: ids [B, M] (integer; an id outside [0, V)
 // adds nothing, so -1 pads a row) and values [B, M] (floating), M >= 1.
 // Both or neither. Returns the primitive's bias inputs, or an empty vector
@@ -155,22 +182,7 @@ inline std::vector<mx::array> logit_bias_inputs(
   if (st.device == mx::Device::cpu) {
     return {mx::contiguous(t, false, st), mx::contiguous(f, false, st)};
   }
-  const int M = t.shape(1);
-  auto in_vocab = mx::logical_and(
-      mx::greater_equal(t, mx::array(0, mx::int32), st),
-      mx::less(t, mx::array(V, mx::int32), st),
-      st);
-  auto cols = mx::where(in_vocab, t, mx::array(0, mx::int32), st);
-  auto adds = mx::where(in_vocab, f, mx::array(0.0f, mx::float32), st);
-  auto rows = mx::broadcast_to(
-      mx::reshape(mx::arange(B, mx::int32, st), {B, 1}, st), {B, M}, st);
-  auto dense = mx::scatter_add(
-      mx::zeros({B, V}, mx::float32, st),
-      {rows, cols},
-      mx::reshape(adds, {B, M, 1, 1}, st),
-      {0, 1},
-      st);
-  return {mx::contiguous(dense, false, st)};
+  return {dense_logit_bias(t, f, V, st)};
 }
 
 } // namespace mtplx

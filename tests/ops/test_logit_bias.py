@@ -303,14 +303,34 @@ def f32_underflow(vl, dl, tok, cfg, counts) -> bool:
     return False
 
 
-def dense_bias(cfgs: list[SamplerConfig], V: int) -> np.ndarray:
-    """[B, V] float32 bias rows, as the ops layer scatters them for a GPU stream."""
+def dense_reference(cfgs: list[SamplerConfig], V: int) -> np.ndarray:
+    """[B, V] float32 bias rows: each entry's bias at its id (ids past V add nothing)."""
     out = np.zeros((len(cfgs), V), np.float32)
     for b, c in enumerate(cfgs):
         for t, v in c.logit_bias:
             if t < V:
                 out[b, t] += np.float32(v)
     return out
+
+
+def dense_bias(cfgs: list[SamplerConfig], V: int) -> np.ndarray:
+    """The dense rows the ops layer builds for a GPU stream (its own C++ scatter), checked against the reference."""
+    ids, vals = bias_arrays(cfgs)
+    out = np.array(mtplx_ext._ext._dense_logit_bias(ids, vals, V))
+    assert np.array_equal(out, dense_reference(cfgs, V))
+    return out
+
+
+def test_dense_bias_rows_of_the_gpu_path_hold_each_entry_at_its_id(rng):
+    V = 50
+    cfgs = [SamplerConfig(logit_bias=random_bias(rng, V)) for _ in range(7)] + [SamplerConfig()]
+    dense_bias(cfgs, V)
+    # Wide ids are clipped, never wrapped into the vocabulary; -1 pads.
+    ids = mx.array([[2**32 + 3, -1, 7]], dtype=mx.int64)
+    out = np.array(mtplx_ext._ext._dense_logit_bias(ids, mx.array([[5.0, 9.0, -2.0]]), V))
+    want = np.zeros((1, V), np.float32)
+    want[0, 7] = -2.0
+    assert np.array_equal(out, want)
 
 
 @pytest.mark.parametrize("tok_dtype", ["int32", "int64"])
