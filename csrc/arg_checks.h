@@ -90,17 +90,46 @@ token_ids(const char* name, const mx::array& a, mx::Stream st) {
   return mx::contiguous(t, false, st);
 }
 
+// The dense [B, V] float32 form of a padded bias (ids [B, M] int32, values
+// [B, M] float32): row b holds the sum of its entries' values at their ids;
+// ids outside [0, V) add nothing. What the Metal kernels read.
+inline mx::array dense_logit_bias(
+    const mx::array& ids,
+    const mx::array& values,
+    int V,
+    mx::Stream st) {
+  const int B = ids.shape(0);
+  const int M = ids.shape(1);
+  auto in_vocab = mx::logical_and(
+      mx::greater_equal(ids, mx::array(0, mx::int32), st),
+      mx::less(ids, mx::array(V, mx::int32), st),
+      st);
+  auto cols = mx::where(in_vocab, ids, mx::array(0, mx::int32), st);
+  auto adds = mx::where(in_vocab, values, mx::array(0.0f, mx::float32), st);
+  auto rows = mx::broadcast_to(
+      mx::reshape(mx::arange(B, mx::int32, st), {B, 1}, st), {B, M}, st);
+  auto dense = mx::scatter_add(
+      mx::zeros({B, V}, mx::float32, st),
+      {rows, cols},
+      mx::reshape(adds, {B, M, 1, 1}, st),
+      {0, 1},
+      st);
+  return mx::contiguous(dense, false, st);
+}
+
 // A padded per-row logit bias: ids [B, M] (integer; an id outside [0, V)
 // adds nothing, so -1 pads a row) and values [B, M] (floating), M >= 1.
-// Both or neither. Returns {ids int32, values float32}, contiguous, or an
-// empty vector without a bias. Ids wider than int32 are clipped into
+// Both or neither. Returns the primitive's bias inputs, or an empty vector
+// without a bias: on the CPU {ids int32, values float32}, contiguous (the
+// row kernels read the entries); on the GPU one dense [B, V] float32 row of
+// biases per stream (entries scattered and summed; the Metal kernels read
+// bias[t] beside logit t). Ids wider than int32 are clipped into
 // [-1, 2**31 - 1] first: a cast alone could wrap an id into the vocabulary.
-// The kernels run on the CPU only so far: a bias on another stream is an
-// error here, before anything runs.
 inline std::vector<mx::array> logit_bias_inputs(
     const std::optional<mx::array>& ids,
     const std::optional<mx::array>& values,
     int B,
+    int V,
     mx::Stream st) {
   if (!ids && !values) {
     return {};
@@ -128,9 +157,6 @@ inline std::vector<mx::array> logit_bias_inputs(
   if (!mx::issubdtype(v.dtype(), mx::floating)) {
     bad_arg("logit_bias_values must be a floating array");
   }
-  if (st.device != mx::Device::cpu) {
-    bad_arg("logit_bias runs on the CPU stream only");
-  }
   mx::array t = i;
   if (i.dtype() == mx::int64 || i.dtype() == mx::uint32 ||
       i.dtype() == mx::uint64) {
@@ -153,7 +179,10 @@ inline std::vector<mx::array> logit_bias_inputs(
     t = mx::astype(t, mx::int32, st);
   }
   auto f = v.dtype() == mx::float32 ? v : mx::astype(v, mx::float32, st);
-  return {mx::contiguous(t, false, st), mx::contiguous(f, false, st)};
+  if (st.device == mx::Device::cpu) {
+    return {mx::contiguous(t, false, st), mx::contiguous(f, false, st)};
+  }
+  return {dense_logit_bias(t, f, V, st)};
 }
 
 } // namespace mtplx

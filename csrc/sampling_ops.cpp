@@ -153,7 +153,7 @@ mx::array sample_tokens(
     }
     inputs.push_back(token_ids("extra_tokens", e, st));
   }
-  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, V, st);
   inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B},
@@ -246,7 +246,7 @@ mx::array verify_sampled_chain(
       params,
       token_counts,
       st);
-  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, V, st);
   inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B, K + 3},

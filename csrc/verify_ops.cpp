@@ -54,7 +54,8 @@ mx::array verify_greedy_chain(
   auto tok = token_ids("tokens", tokens, st);
   auto logits = mx::contiguous(verify_logits, false, st);
   std::vector<mx::array> inputs = {logits, tok};
-  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, st);
+  const int V = verify_logits.shape(2);
+  auto bias = logit_bias_inputs(logit_bias_ids, logit_bias_values, B, V, st);
   inputs.insert(inputs.end(), bias.begin(), bias.end());
   return mx::array(
       {B, K + 3},

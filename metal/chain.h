@@ -57,6 +57,47 @@ inline ArgmaxAcc tg_row_argmax(
   return r;
 }
 
+// tg_row_argmax of the biased row float32(x) + bias (float32 keys; every
+// thread gets the result). Validity is judged on the biased values too, as
+// on the CPU, which scans its biased float32 copy.
+template <typename K>
+inline ArgmaxAcc tg_row_argmax_biased(
+    const device typename K::bits_t* x,
+    const device float* bias,
+    int V,
+    threadgroup int* partials,
+    uint tid,
+    uint tg_size,
+    uint lane,
+    uint sg,
+    uint num_sg) {
+  ArgmaxAcc a = argmax_identity();
+  for (uint i = tid; i < uint(V); i += tg_size) {
+    int k = F32Key::key(as_type<uint>(to_float<K>(x[i]) + bias[i]));
+    if (k > a.key) {
+      a.key = k;
+      a.idx = int(i);
+    }
+    a.min_key = min(a.min_key, k);
+  }
+  a = simd_argmax(a);
+  if (lane == 0) {
+    partials[sg] = a.key;
+    partials[32 + sg] = a.idx;
+    partials[64 + sg] = a.min_key;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  ArgmaxAcc r = argmax_identity();
+  if (lane < num_sg) {
+    r.key = partials[lane];
+    r.idx = partials[32 + lane];
+    r.min_key = partials[64 + lane];
+  }
+  r = simd_argmax(r);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return r;
+}
+
 // One chain bundle row [x0, n, c_1..c_{K+1}] (as csrc/cpu/chain_bundle.h).
 inline void write_chain_row(
     device int* out,
@@ -128,30 +169,87 @@ template <typename K, typename TokT>
   }
 }
 
-// verify_logits [B, K + 1, V] and draft_logits [B, K, V] bits; tokens
-// [B, K + 1]; uniforms [B, K + 2]; params [B, kParamCols]; counts [B, V]
-// (bound when has_counts); bundle [B, K + 3].
+// verify_greedy_chain with a logit bias: bias [B, V] float32 (dense), added
+// to every verification row of the stream before its argmax.
 template <typename K, typename TokT>
-[[kernel]] void verify_sampled_chain(
-    const device typename K::bits_t* vlogits [[buffer(0)]],
-    const device typename K::bits_t* dlogits [[buffer(1)]],
-    const device TokT* tokens [[buffer(2)]],
-    const device float* uniforms [[buffer(3)]],
-    const device float* params [[buffer(4)]],
-    const device int* counts [[buffer(5)]],
-    device int* bundle [[buffer(6)]],
-    constant int& vocab [[buffer(7)]],
-    constant int& has_counts [[buffer(8)]],
-    constant int& drafts [[buffer(9)]],
+[[kernel]] void verify_greedy_chain_biased(
+    const device typename K::bits_t* logits [[buffer(0)]],
+    const device TokT* tokens [[buffer(1)]],
+    device int* bundle [[buffer(2)]],
+    constant int& vocab [[buffer(3)]],
+    constant int& drafts [[buffer(4)]],
+    const device float* bias [[buffer(5)]],
     uint row [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]],
     uint tg_size [[threads_per_threadgroup]],
     uint lane [[thread_index_in_simdgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup float fs[32];
-  threadgroup int is[32];
-  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
+  threadgroup int partials[3 * 32];
+  const int V = vocab;
+  const int KD = min(drafts, kMaxChainDrafts);
+  const int T = KD + 1;
+  const device TokT* tok = tokens + size_t(row) * T;
+  const device typename K::bits_t* x = logits + size_t(row) * T * V;
+  const device float* br = bias + size_t(row) * V;
+  const TokT x0 = tok[0];
+  const bool x0_ok = x0 >= 0 && x0 < TokT(V);
+  int c[kMaxChainDrafts + 1];
+  int n = kInvalid;
+  if (x0_ok) {
+    ArgmaxAcc a = tg_row_argmax_biased<K>(
+        x, br, V, partials, tid, tg_size, lane, sg, num_sg);
+    n = row_is_valid(a.key, a.min_key, F32Key::pos_inf(), F32Key::neg_inf())
+        ? 0
+        : kInvalid;
+    while (n >= 0 && n < KD) {
+      const TokT d = tok[n + 1];
+      if (!(d >= 0 && d < TokT(V)) || int(d) != a.idx) {
+        break;
+      }
+      ArgmaxAcc next = tg_row_argmax_biased<K>(
+          x + size_t(n + 1) * V, br, V, partials, tid, tg_size, lane, sg, num_sg);
+      if (!row_is_valid(
+              next.key, next.min_key, F32Key::pos_inf(), F32Key::neg_inf())) {
+        n = kInvalid;
+        break;
+      }
+      c[n] = int(d);
+      a = next;
+      ++n;
+    }
+    if (n >= 0) {
+      c[n] = a.idx;
+    }
+  }
+  if (tid == 0) {
+    write_chain_row(
+        bundle + size_t(row) * (KD + 3), KD, x0_ok ? int(x0) : kInvalid, n, c);
+  }
+}
+
+// verify_logits [B, K + 1, V] and draft_logits [B, K, V] bits; tokens
+// [B, K + 1]; uniforms [B, K + 2]; params [B, kParamCols]; counts [B, V]
+// (bound when has_counts); bundle [B, K + 3]; bias: the stream's dense
+// [B, V] logit bias, added to its target and draft rows (read only when
+// has_bias). One row of both kernels below.
+template <typename K, typename TokT>
+inline void verify_sampled_chain_row(
+    const device typename K::bits_t* vlogits,
+    const device typename K::bits_t* dlogits,
+    const device TokT* tokens,
+    const device float* uniforms,
+    const device float* params,
+    const device int* counts,
+    device int* bundle,
+    int vocab,
+    int has_counts,
+    int drafts,
+    const device float* bias,
+    bool has_bias,
+    uint row,
+    TgCtx c) {
+  const uint tid = c.tid;
   const int V = vocab;
   const int KD = min(drafts, kMaxChainDrafts);
   const int T = KD + 1;
@@ -165,6 +263,8 @@ template <typename K, typename TokT>
   LogitRow<K> rp;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
   rp.has_counts = has_counts != 0;
+  rp.bias = bias + (has_bias ? size_t(row) * V : 0);
+  rp.has_bias = has_bias;
   for (int j = 0; j < T; ++j) {
     const TokT t = tok[j];
     rp.ex[j] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
@@ -230,6 +330,61 @@ template <typename K, typename TokT>
         n,
         out);
   }
+}
+
+template <typename K, typename TokT>
+[[kernel]] void verify_sampled_chain(
+    const device typename K::bits_t* vlogits [[buffer(0)]],
+    const device typename K::bits_t* dlogits [[buffer(1)]],
+    const device TokT* tokens [[buffer(2)]],
+    const device float* uniforms [[buffer(3)]],
+    const device float* params [[buffer(4)]],
+    const device int* counts [[buffer(5)]],
+    device int* bundle [[buffer(6)]],
+    constant int& vocab [[buffer(7)]],
+    constant int& has_counts [[buffer(8)]],
+    constant int& drafts [[buffer(9)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint tg_size [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float fs[32];
+  threadgroup int is[32];
+  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
+  // No bias: `params` stands in for the bias pointer, never read.
+  verify_sampled_chain_row<K, TokT>(
+      vlogits, dlogits, tokens, uniforms, params, counts, bundle, vocab,
+      has_counts, drafts, params, false, row, c);
+}
+
+// verify_sampled_chain with a logit bias: bias [B, V] float32 (dense).
+template <typename K, typename TokT>
+[[kernel]] void verify_sampled_chain_biased(
+    const device typename K::bits_t* vlogits [[buffer(0)]],
+    const device typename K::bits_t* dlogits [[buffer(1)]],
+    const device TokT* tokens [[buffer(2)]],
+    const device float* uniforms [[buffer(3)]],
+    const device float* params [[buffer(4)]],
+    const device int* counts [[buffer(5)]],
+    device int* bundle [[buffer(6)]],
+    constant int& vocab [[buffer(7)]],
+    constant int& has_counts [[buffer(8)]],
+    constant int& drafts [[buffer(9)]],
+    const device float* bias [[buffer(10)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint tg_size [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float fs[32];
+  threadgroup int is[32];
+  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
+  verify_sampled_chain_row<K, TokT>(
+      vlogits, dlogits, tokens, uniforms, params, counts, bundle, vocab,
+      has_counts, drafts, bias, true, row, c);
 }
 
 } // namespace mtplx

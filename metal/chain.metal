@@ -1,6 +1,6 @@
 // Instantiations of the chain kernels. Host names:
-// verify_greedy_chain_<logits dtype>_<token dtype> and
-// verify_sampled_chain_<logits dtype>_<token dtype>, as csrc/metal/verify_greedy.cpp and csrc/metal/sampling.cpp
+// verify_greedy_chain[_biased]_<logits dtype>_<token dtype> and
+// verify_sampled_chain[_biased]_<logits dtype>_<token dtype>, as csrc/metal/verify_greedy.cpp and csrc/metal/sampling.cpp
 // builds them.
 #include "chain.h"
 
@@ -10,7 +10,13 @@
       mtplx::verify_greedy_chain<mtplx::key, tok>;                             \
   template [[host_name("verify_sampled_chain_" #dname "_" #tname)]] [[kernel]] \
   decltype(mtplx::verify_sampled_chain<mtplx::key, tok>)                       \
-      mtplx::verify_sampled_chain<mtplx::key, tok>;
+      mtplx::verify_sampled_chain<mtplx::key, tok>;                            \
+  template [[host_name("verify_greedy_chain_biased_" #dname "_" #tname)]]      \
+  [[kernel]] decltype(mtplx::verify_greedy_chain_biased<mtplx::key, tok>)      \
+      mtplx::verify_greedy_chain_biased<mtplx::key, tok>;                      \
+  template [[host_name("verify_sampled_chain_biased_" #dname "_" #tname)]]     \
+  [[kernel]] decltype(mtplx::verify_sampled_chain_biased<mtplx::key, tok>)     \
+      mtplx::verify_sampled_chain_biased<mtplx::key, tok>;
 
 #define instantiate_chain_tokens(dname, key) \
   instantiate_chain(dname, key, int32, int)  \

@@ -1,5 +1,5 @@
 // Instantiations of the sampling kernels. Host names:
-// sample_tokens_<logits dtype>_<token dtype> and
+// sample_tokens[_biased]_<logits dtype>_<token dtype> and
 // verify_sampled_<logits dtype>_<token dtype>, as csrc/metal/sampling.cpp
 // builds them.
 #include "sampling.h"
@@ -8,6 +8,9 @@
   template [[host_name("sample_tokens_" #dname "_" #tname)]] [[kernel]]  \
   decltype(mtplx::sample_tokens<mtplx::key, tok>)                        \
       mtplx::sample_tokens<mtplx::key, tok>;                             \
+  template [[host_name("sample_tokens_biased_" #dname "_" #tname)]]      \
+  [[kernel]] decltype(mtplx::sample_tokens_biased<mtplx::key, tok>)      \
+      mtplx::sample_tokens_biased<mtplx::key, tok>;                      \
   template [[host_name("verify_sampled_" #dname "_" #tname)]] [[kernel]] \
   decltype(mtplx::verify_sampled<mtplx::key, tok>)                       \
       mtplx::verify_sampled<mtplx::key, tok>;

@@ -1,6 +1,8 @@
-// eval_gpu of SampleTokens and VerifySampled: one threadgroup per stream
-// (metal/sampling.h). Absent optional inputs are bound to a filler buffer
-// that the kernels never read (the flags say so).
+// eval_gpu of SampleTokens, VerifySampled and VerifySampledChain: one
+// threadgroup per stream (metal/sampling.h, metal/chain.h). Absent optional
+// inputs are bound to a filler buffer that the kernels never read (the flags
+// say so); with a logit bias the *_biased kernels take its dense [B, V] row
+// per stream.
 #include <string>
 
 #include "metal/device.h"
@@ -23,7 +25,7 @@ void SampleTokens::eval_gpu(
   metal::launch_rows(
       stream(),
       metal::row_kernel(
-          "sample_tokens",
+          has_bias_ ? "sample_tokens_biased" : "sample_tokens",
           metal::logit_dtype_name(logits.dtype()),
           extra && extra->dtype() == mx::int64),
       B,
@@ -39,6 +41,9 @@ void SampleTokens::eval_gpu(
         enc.set_bytes(V, 6);
         enc.set_bytes(has_counts, 7);
         enc.set_bytes(n_extra, 8);
+        if (has_bias_) { // the dense [B, V] bias, last (sampling_ops.cpp)
+          enc.set_input_array(inputs.back(), 9);
+        }
       });
 }
 
@@ -70,13 +75,16 @@ void VerifySampledChain::eval_gpu(
   const int V = vl.shape(2);
   metal::launch_verify_rows(
       stream(),
-      "verify_sampled_chain",
+      has_bias_ ? "verify_sampled_chain_biased" : "verify_sampled_chain",
       vl,
       tokens,
       out,
       metal::sampling_threads,
       [&](auto& enc) {
         metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, K);
+        if (has_bias_) { // the dense [B, V] bias, last (sampling_ops.cpp)
+          enc.set_input_array(inputs.back(), 10);
+        }
       });
 }
 

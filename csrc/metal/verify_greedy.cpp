@@ -35,7 +35,7 @@ void VerifyGreedyChain::eval_gpu(
   const int V = logits.shape(2);
   metal::launch_verify_rows(
       stream(),
-      "verify_greedy_chain",
+      has_bias_ ? "verify_greedy_chain_biased" : "verify_greedy_chain",
       logits,
       tokens,
       out,
@@ -46,6 +46,9 @@ void VerifyGreedyChain::eval_gpu(
         enc.set_output_array(out, 2);
         enc.set_bytes(V, 3);
         enc.set_bytes(K, 4);
+        if (has_bias_) { // the dense [B, V] bias (verify_ops.cpp)
+          enc.set_input_array(inputs[2], 5);
+        }
       });
 }
 

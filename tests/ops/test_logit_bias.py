@@ -27,6 +27,7 @@ from mtplx_ext.sampling import (
     counts_with,
     greedy_chain_row,
     pack_logit_bias,
+    pack_params,
     sample_from,
     sample_mtp_chain_row,
     transform_row,
@@ -261,3 +262,152 @@ def test_broken_bias_rules_are_rejected_by_the_same_test(variant):
         if pvalues[-1] < ALPHA_BROKEN:
             break
     assert min(pvalues) < ALPHA_BROKEN, pvalues
+
+
+# ---------------------------------------------------------------------------
+# The Metal kernels (metal/sampling.h, metal/chain.h) on the threadgroup
+# emulator: float32 arithmetic, so sampled rows within 2e-5 of a decision
+# boundary are left out; outputs start poisoned (-7).
+
+TOL_F32 = 2e-5
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    return np.ascontiguousarray(np.array(a)) if a.dtype == mx.float32 else np.array(a.view(mx.uint16))
+
+
+def _scalar(x: int) -> np.ndarray:
+    return np.array([x], np.int32)
+
+
+def f32_underflow(vl, dl, tok, cfg, counts) -> bool:
+    """Whether a draft's p or q (float64) is too small for float32 (a +-100 bias makes e**-400 weights).
+
+    The Metal kernels weigh in float32, where such a weight is 0: an accept
+    test between two of them can go either way.
+    """
+    K, V = vl.shape[0] - 1, vl.shape[1]
+    if not 0 <= int(tok[0]) < V:
+        return False
+    for i in range(1, K + 1):
+        d = int(tok[i])
+        if not (0 <= d < V) or not np.isfinite(vl[i - 1]).any() or np.isnan(vl[i - 1]).any():
+            return False
+        if np.isnan(dl[i - 1]).any() or np.isposinf(dl[i - 1]).any():
+            return False
+        c = counts_with(counts, V, [int(t) for t in tok[:i] if 0 <= t < V])
+        for row in (vl[i - 1], dl[i - 1]):
+            w = transform_row(row, cfg, c).p[d]
+            if 0 < w < 1e-30:
+                return True
+    return False
+
+
+def dense_reference(cfgs: list[SamplerConfig], V: int) -> np.ndarray:
+    """[B, V] float32 bias rows: each entry's bias at its id (ids past V add nothing)."""
+    out = np.zeros((len(cfgs), V), np.float32)
+    for b, c in enumerate(cfgs):
+        for t, v in c.logit_bias:
+            if t < V:
+                out[b, t] += np.float32(v)
+    return out
+
+
+def dense_bias(cfgs: list[SamplerConfig], V: int) -> np.ndarray:
+    """The dense rows the ops layer builds for a GPU stream (its own C++ scatter), checked against the reference."""
+    ids, vals = bias_arrays(cfgs)
+    out = np.array(mtplx_ext._ext._dense_logit_bias(ids, vals, V))
+    assert np.array_equal(out, dense_reference(cfgs, V))
+    return out
+
+
+def test_dense_bias_rows_of_the_gpu_path_hold_each_entry_at_its_id(rng):
+    V = 50
+    cfgs = [SamplerConfig(logit_bias=random_bias(rng, V)) for _ in range(7)] + [SamplerConfig()]
+    dense_bias(cfgs, V)
+    # Wide ids are clipped, never wrapped into the vocabulary; -1 pads.
+    ids = mx.array([[2**32 + 3, -1, 7]], dtype=mx.int64)
+    out = np.array(mtplx_ext._ext._dense_logit_bias(ids, mx.array([[5.0, 9.0, -2.0]]), V))
+    want = np.zeros((1, V), np.float32)
+    want[0, 7] = -2.0
+    assert np.array_equal(out, want)
+
+
+@pytest.mark.parametrize("tok_dtype", ["int32", "int64"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_metal_biased_kernels_equal_cpu_primitive_and_reference_on_the_emulator(rng, emu, dtype, tok_dtype):
+    compared = skipped = 0
+    for K, V, threads in ((1, 37, 32), (3, 300, 64), (5, 1500, 256)):
+        B = 4
+        # Greedy chain: the biased argmax is exact in float32 on both sides.
+        lg, hx, tok = greedy_case(rng, B, K, V, DTYPES[dtype])
+        tok = np.where(np.abs(tok) < 2**31, tok, V).astype(tok_dtype)
+        cfgs = [SamplerConfig(temperature=0.0, logit_bias=random_bias(rng, V)) for _ in range(B)]
+        out = np.full((B, K + 3), -7, np.int32)
+        emu.launch(f"verify_greedy_chain_biased_{dtype}_{tok_dtype}", (B,), threads,
+                   [_bits(lg), tok, out, _scalar(V), _scalar(K), dense_bias(cfgs, V)])
+        cpu = _run(verify_greedy_chain, lg, mx.array(tok), logit_bias=bias_arrays(cfgs))
+        assert np.array_equal(out, cpu), (K, V)
+        for b in range(B):
+            n, c = greedy_chain_row(biased_logits(hx[b], cfgs[b].logit_bias), tok[b])
+            assert list(out[b]) == expected_bundle(n, c, int(tok[b, 0]), K, V)
+        # Sampled chain.
+        vl, dl, vh, dh, tk, u, counts, cfgs = sampled_case(rng, B, K, V, DTYPES[dtype])
+        cfgs = [with_bias(c, random_bias(rng, V)) for c in cfgs]
+        tk = tk.astype(tok_dtype)
+        out = np.full((B, K + 3), -7, np.int32)
+        emu.launch(f"verify_sampled_chain_biased_{dtype}_{tok_dtype}", (B,), threads,
+                   [_bits(vl), _bits(dl), tk, u, pack_params(cfgs, B), counts, out, _scalar(V), _scalar(1),
+                    _scalar(K), dense_bias(cfgs, V)])
+        cpu = _run(verify_sampled_chain, vl, dl, mx.array(tk), mx.array(u), cfgs, mx.array(counts),
+                   logit_bias=bias_arrays(cfgs))
+        for b in range(B):
+            n, c = sample_mtp_chain_row(vh[b], dh[b], tk[b], cfgs[b], u[b], counts[b])
+            want = expected_bundle(n, c, int(tk[b, 0]), K, V)
+            assert list(cpu[b]) == want or chain_ambiguous(vh[b], dh[b], tk[b], cfgs[b], u[b], counts[b], TOL), b
+            if chain_ambiguous(vh[b], dh[b], tk[b], cfgs[b], u[b], counts[b], TOL_F32) or \
+                    f32_underflow(vh[b], dh[b], tk[b], cfgs[b], counts[b]):
+                skipped += 1
+                continue
+            compared += 1
+            assert list(out[b]) == want, (K, V, b, cfgs[b])
+        # sample_tokens.
+        logits = random_logits(rng, (B, V), DTYPES[dtype])
+        extra = rng.integers(-1, V, size=(B, 2)).astype(tok_dtype)
+        cfgs = [with_bias(SamplerConfig(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice([0, 7])),
+                                        presence_penalty=0.4), random_bias(rng, V)) for _ in range(B)]
+        cnt = random_counts(rng, B, V)
+        us = rng.random(B).astype(np.float32)
+        out = np.full(B, -7, np.int32)
+        emu.launch(f"sample_tokens_biased_{dtype}_{tok_dtype}", (B,), threads,
+                   [_bits(logits), us, pack_params(cfgs, B), cnt, extra, out, _scalar(V), _scalar(1), _scalar(2),
+                    dense_bias(cfgs, V)])
+        hl = host(logits)
+        for b in range(B):
+            c = counts_with(cnt[b], V, [int(t) for t in extra[b] if t >= 0])
+            if np.isnan(hl[b]).any() or np.isposinf(hl[b]).any() or not np.isfinite(hl[b]).any():
+                assert out[b] == -1
+                continue
+            p = transform_row(hl[b], cfgs[b], c).p
+            if kept_ambiguous(hl[b], cfgs[b], c, TOL_F32) or cdf_ambiguous(p, float(us[b]), TOL_F32):
+                skipped += 1
+                continue
+            compared += 1
+            assert out[b] == sample_from(p, float(us[b])), (V, b, cfgs[b])
+    assert compared >= 20 and skipped <= 0.3 * (compared + skipped)
+
+
+def test_metal_unbiased_kernel_misses_what_the_bias_forces_on_the_emulator(rng, emu):
+    # The same inputs through the unbiased kernel: the +100 token is not drawn,
+    # so the biased kernel's agreement above is the bias at work.
+    B, V = 6, 500
+    logits = mx.array(rng.normal(size=(B, V)).astype(np.float32))
+    forced = rng.integers(V, size=B)
+    cfgs = [SamplerConfig(temperature=1.0, logit_bias={int(forced[b]): 100.0}) for b in range(B)]
+    us = rng.random(B).astype(np.float32)
+    args = [_bits(logits), us, pack_params(cfgs, B), np.zeros((B, V), np.int32), np.zeros((B, 1), np.int32)]
+    biased, plain = np.full(B, -7, np.int32), np.full(B, -7, np.int32)
+    emu.launch("sample_tokens_biased_float32_int32", (B,), 64,
+               args + [biased, _scalar(V), _scalar(0), _scalar(0), dense_bias(cfgs, V)])
+    emu.launch("sample_tokens_float32_int32", (B,), 64, args + [plain, _scalar(V), _scalar(0), _scalar(0)])
+    assert (biased == forced).all() and (plain != forced).any()

@@ -84,7 +84,8 @@ def verify_greedy_chain(
         tokens: [B, K + 1] integer (x0, d_1..d_K).
         logit_bias: optional (ids, values) [B, M] pair: a_j is the argmax of
             row j with values[b, e] added (in float32) to logit ids[b, e];
-            ids outside [0, V) add nothing. CPU stream only.
+            ids outside [0, V) add nothing. On a GPU stream it travels
+            as a dense [B, V] bias row per stream (the Metal kernels).
         stream: MLX stream or device to run on.
 
     Returns:

@@ -114,7 +114,8 @@ def sample_tokens(
             chained draft); ids outside [0, V) such as -1 count nothing.
         logit_bias: optional (ids, values) [B, M] pair: values[b, e] is
             added to logit ids[b, e] of row b (in float32, before the
-            penalties; ids outside [0, V) add nothing). CPU stream only.
+            penalties; ids outside [0, V) add nothing; a dense [B, V] row per
+            stream on a GPU stream).
         stream: MLX stream or device to run on.
 
     Returns:
@@ -237,7 +238,7 @@ def verify_sampled_chain(
             verification row and every draft row of stream b (as in
             `sample_tokens`): the target is the biased distribution, and q is
             the biased draft distribution, since the drafts are sampled with
-            the same bias. CPU stream only.
+            the same bias.
         stream: MLX stream or device to run on.
         _variant: test-only deliberately broken rules (CPU); 0 is exact.
 

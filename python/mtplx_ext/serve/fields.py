@@ -1,7 +1,7 @@
 """OpenAI request fields this server does not implement: a 400 naming the field, never a silent no-op.
 
 Each entry maps a field to the values that mean "nothing asked" (and so are
-accepted): `logprobs: false`, `n: 1`, `echo: false`, ... Any other value
+accepted): `n: 1`, `echo: false`, ... Any other value
 is refused. A field that gets implemented leaves these tables. Fields of neither table and no handler are
 not OpenAI's and are left alone (clients send their own extensions).
 """
@@ -38,8 +38,6 @@ COMMON: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: /v1/chat/completions.
 CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **COMMON,
-    "logprobs": (_false, "logprobs is not supported"),
-    "top_logprobs": (lambda v: v is None or v == 0, "top_logprobs is not supported"),
     "audio": (_absent, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "modalities other than [\"text\"] are not supported"),
     "prediction": (_absent, "prediction (predicted outputs) is not supported"),
@@ -54,7 +52,6 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
 #: /v1/completions.
 COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     **COMMON,
-    "logprobs": (lambda v: v is None or v is False, "logprobs is not supported"),
     "echo": (_false, "echo is not supported"),
     "best_of": (_one, "best_of must be 1"),
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),

@@ -22,7 +22,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import disconnect, fields, params, structured, tools
+from mtplx_ext.serve import disconnect, fields, logprobs, params, structured, tools
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 
@@ -129,16 +129,17 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     pieces = reply.pieces(r.text) + reply.finish()
     text = "".join(p for k, p in pieces if k == "text")
     calls = [p for k, p in pieces if k == "call"]
+    lp = logprobs.render(kind, api.tokenizer, r.tokens, r.token_logprobs if r.logprobs is not None else None)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": api.model_name,
-        "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls)],
+        "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls, logprobs=lp)],
         "usage": usage(r), "mtp": mtp_stats(r, api.engine),
     })
 
 
 def choice_json(kind: str, finish: str | None, *, text: str | None = None, tool_calls: list[dict] | None = None,
-                stream: bool = False, first: bool = False) -> dict[str, Any]:
+                stream: bool = False, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One choice of a response (`stream=False`) or of a stream chunk: the one place a choice is built.
 
     A chat message with tool calls and no other text has null content, as
@@ -157,7 +158,7 @@ def choice_json(kind: str, finish: str | None, *, text: str | None = None, tool_
         choice["delta" if stream else "message"] = msg
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     choice["finish_reason"] = finish
     return choice
 
@@ -175,6 +176,20 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Rep
         out.update(extra or {})
         return f"data: {json.dumps(out)}\n\n"
 
+    # Tokens (and their logprobs) not sent yet: they go out with the next text.
+    held: tuple[list[int], list] = ([], [])
+    offset = 0  # characters sent (completions' text_offset)
+
+    def take_logprobs(text: str) -> dict[str, Any] | None:
+        nonlocal offset
+        lp = None
+        if r.logprobs is not None and held[0]:
+            lp = logprobs.render(kind, api.tokenizer, held[0], held[1], offset)
+            held[0].clear()
+            held[1].clear()
+        offset += len(text)
+        return lp
+
     sent = 0  # tool calls streamed so far: the next one's index
 
     def piece_chunks(pieces: list[tuple[str, Any]]) -> Iterator[str]:
@@ -182,7 +197,7 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Rep
         for k, p in pieces:
             if k == "text":
                 if p:
-                    yield chunk([choice_json(kind, None, text=p, stream=True)])
+                    yield chunk([choice_json(kind, None, text=p, stream=True, logprobs=take_logprobs(p))])
                 continue
             i, sent = sent, sent + 1
             head = {"index": i, "id": p["id"], "type": "function",
@@ -196,14 +211,17 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Rep
             yield chunk([choice_json(kind, None, stream=True, first=True)])
         while True:
             ev = await events.get()
+            if ev.kind == "tokens":
+                held[0].extend(ev.tokens)
+                held[1].extend(ev.logprobs or ())
             if ev.kind == "tokens" and ev.text:
                 for c in piece_chunks(reply.pieces(ev.text)):
                     yield c
             elif ev.kind == "done":
                 for c in piece_chunks(reply.finish()):
                     yield c
-                yield chunk([choice_json(kind, finish_reason(r, reply.n_calls > 0), stream=True)],
-                            {"mtp": mtp_stats(r, api.engine)})
+                yield chunk([choice_json(kind, finish_reason(r, reply.n_calls > 0), stream=True,
+                                         logprobs=take_logprobs(""))], {"mtp": mtp_stats(r, api.engine)})
                 if reply.include_usage:
                     yield chunk([], {"usage": usage(r)})
                 break

@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from mtplx_ext.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, SamplerConfig
-from mtplx_ext.serve import tools
+from mtplx_ext.serve import logprobs, tools
 from mtplx_ext.serve.errors import BadRequest
 
 #: OpenAI's defaults: completions generate 16 tokens unless told.
@@ -97,7 +97,8 @@ def submit_args(body: dict, kind: str, eos_ids: tuple[int, ...]) -> dict[str, An
     seed = integer(body, "seed")
     if seed is not None and not 0 <= seed < 2**64:
         raise BadRequest("seed must be in [0, 2**64)", "seed")
-    return dict(max_tokens=max_tokens, sampler=sampler, stop=stop, seed=seed, stop_token_ids=eos_ids)
+    return dict(max_tokens=max_tokens, sampler=sampler, stop=stop, seed=seed, stop_token_ids=eos_ids,
+                logprobs=logprobs.requested(body, kind))
 
 
 def completion_prompt(body: dict, tokenizer: Any) -> list[int]:

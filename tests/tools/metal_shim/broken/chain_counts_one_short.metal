@@ -63,6 +63,8 @@ template <typename K, typename TokT>
   LogitRow<K> rp;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
   rp.has_counts = has_counts != 0;
+  rp.bias = params; // no bias: never read
+  rp.has_bias = false;
   for (int j = 0; j < T; ++j) {
     const TokT t = tok[j];
     rp.ex[j] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
