@@ -2,8 +2,9 @@
 
 On a random qwen3 model over an 8-token vocabulary whose tokens spell
 strings of a, b, c, the first depth + 1 tokens of many independent streams
-(one seed each, one batch) constrained by a grammar (`root ::= ("a"
-[bc])+`, written so that no answer can end inside them) must follow the
+(one seed each, one batch) constrained by a grammar (`root ::= ("a" [bc]
+"cc")+`, written so that no answer can end inside them; after "ab" only the
+token "c" is allowed, so some drafts are forced) must follow the
 masked target distribution: prod_i p(t_i | prefix) with p the model's
 logits masked to the tokens the grammar allows after the prefix, then
 temperature and top-k (so the mask must come before top-k). The same test
@@ -28,7 +29,7 @@ from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
 
 V = 8
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"ca", b"bb"]
-GRAMMAR = 'root ::= p p p p p p+\np ::= "a" [bc]'
+GRAMMAR = 'root ::= p p p p p+\np ::= "a" [bc] "cc"'
 CFG = SamplerConfig(temperature=2.5, top_k=3)
 N = 6000
 
@@ -94,10 +95,16 @@ def rng() -> np.random.Generator:
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth):
+def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth, monkeypatch):
+    import mtplx_ext.engine.loop as loop
+
     rt, prompt = model_with_useful_head(rng, compiled, depth)
     seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    forced = []
+    real = loop.forced_drafts
+    monkeypatch.setattr(loop, "forced_drafts", lambda *a: forced.append(int(a[3].sum())) or real(*a))
     idx, res = decode(rt, compiled, prompt, seeds, depth)
+    assert sum(forced) > 0, "no draft was forced: the grammar-forced path was not exercised"
     assert res.reached[depth - 1] > 0, "no cycle reached the last draft"
     expected = masked_joint(rt, compiled, prompt, depth + 1)
     p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)

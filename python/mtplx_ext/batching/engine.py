@@ -368,7 +368,7 @@ class Engine:
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
-        self._guide = constrained.recomposed(reqs, batch.policy, self._next, self.vocab, self.depth, self.mtp)
+        constrained.recomposed(self, reqs, batch.policy)  # sets _guide (and forced drafts in _next, _info)
         self._streams = batch_streams(reqs, self.vocab, self.depth if self.mtp else 0, self.mtp, self.stats)
 
     #: Launch each cycle before reading the one before it (off: one cycle at a
@@ -443,7 +443,7 @@ class Engine:
             r.cycles += 1
             self._commit_host(r, new, reason)
         if self._guide is not None:
-            constrained.after_cycle(self._guide, self._batch.policy, p, b, live, reqs, st, self.mtp)
+            constrained.after_cycle(self, p, b, live)  # the next mask (and forced drafts in _next, _info)
 
     # -- host side of a request ---------------------------------------------------
 
