@@ -193,7 +193,7 @@ class RowConstraints:
 
         Returns:
             ([B, T, W] masks, the tokens with forced drafts or None when
-            none was replaced, [B, T - 1] bool of the replaced drafts or None).
+            none was forced, [B, T - 1] bool of the forced drafts or None).
 
         The constraint's state is unchanged afterwards. Positions after a
         token the constraint refuses allow everything: verification rejects
@@ -219,12 +219,13 @@ class RowConstraints:
                     continue
                 ids = _forced(c, self._buf[b, j])[: self.positions - 1 - j]
                 span_end = j + 1 + len(ids)
+                # Every forced position is marked, also where the head drew the
+                # same token: the proposal there is the point mass, not q.
                 for k, t in enumerate(ids):
-                    if t != int(toks[b, j + 1 + k]):
-                        if forced is None:
-                            toks = np.array(tokens, copy=True)
-                            forced = np.zeros((len(self.rows), self.positions - 1), bool)
-                        toks[b, j + 1 + k], forced[b, j + k] = t, True
+                    if forced is None:
+                        toks = np.array(tokens, copy=True)
+                        forced = np.zeros((len(self.rows), self.positions - 1), bool)
+                    toks[b, j + 1 + k], forced[b, j + k] = t, True
             c.rollback(consumed)
         self.mask_s += time.perf_counter() - t0
         return mx.array(self._buf), (toks if forced is not None else None), forced
