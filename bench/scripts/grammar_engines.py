@@ -10,6 +10,9 @@ tokens plus frequent words and word pieces of Python sources, with and
 without a leading space) standing in for a Qwen-sized vocabulary, since no
 such tokenizer is available offline here.
 
+Then the engine's own per-cycle host work on each vocabulary
+(`RowConstraints.probe` at depth 3: K + 1 masks, forced drafts, roll back).
+
     python bench/scripts/grammar_engines.py [--big-vocab 151643]
 """
 
@@ -24,6 +27,8 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+
+import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 
 SCHEMA = {
     "type": "object",
@@ -183,6 +188,32 @@ def bench_outlines(tokens: list[bytes], ids: list[int]) -> dict:
     return {"tokenizer_s": t1 - t0, "compile_s": t2 - t1, "mask_ms": [x * 1e3 for x in per]}
 
 
+def bench_probe(tokens: list[bytes], ids: list[int], depth: int = 3) -> list[float]:
+    """ms per cycle of the engine's host mask work (`RowConstraints.probe`, xgrammar) at depth K, one row.
+
+    Cycles walk the answer: each probes the next K + 1 tokens (masks for
+    every position, forced drafts, roll back) and commits two of them.
+    """
+    import numpy as np
+    import xgrammar as xgr
+
+    from mtplx_ext.engine.constraint import GrammarConstraint, RowConstraints
+
+    info = xgr.TokenizerInfo(tokens, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    text_ids = lambda text: greedy_ids(tokens, text)  # noqa: E731
+    rows = RowConstraints([GrammarConstraint(compiled, encode=text_ids)], len(tokens), depth + 1)
+    compact = greedy_ids(tokens, json.dumps(json.loads(ANSWER), separators=(", ", ": ")))
+    per, i = [], 0
+    while i + depth + 1 <= len(compact):
+        t = time.perf_counter()
+        rows.probe(np.array([compact[i : i + depth + 1]]))
+        per.append((time.perf_counter() - t) * 1e3)
+        rows.commit(0, compact[i : i + 2])
+        i += 2
+    return per
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--big-vocab", type=int, default=151643)
@@ -200,6 +231,12 @@ def main() -> None:
             ms = r["mask_ms"]
             print(f"  {eng:14s} vocab setup {r['tokenizer_s']*1e3:8.1f} ms  grammar {r['compile_s']*1e3:8.1f} ms  "
                   f"mask/token median {statistics.median(ms):.3f} ms  p90 {sorted(ms)[int(0.9*len(ms))]:.3f} ms")
+        try:
+            per = bench_probe(tokens, ids)
+            print(f"  engine probe (xgrammar, K = 3): median {statistics.median(per):.3f} ms/cycle, "
+                  f"max {max(per):.3f} ms ({len(per)} cycles)")
+        except Exception as e:  # noqa: BLE001
+            print(f"  engine probe failed: {type(e).__name__}: {e}")
         sys.stdout.flush()
 
 

@@ -2,14 +2,16 @@
 
 On a random qwen3 model over an 8-token vocabulary whose tokens spell
 strings of a, b, c, the first depth + 1 tokens of many independent streams
-(one seed each, one batch) constrained by a grammar (`root ::= ("a"
-[bc])+`, written so that no answer can end inside them) must follow the
+(one seed each, one batch) constrained by a grammar (`root ::= ("a" [bc]
+"cc")+`, written so that no answer can end inside them; after "ab" only the
+token "c" is allowed, so some drafts are forced) must follow the
 masked target distribution: prod_i p(t_i | prefix) with p the model's
 logits masked to the tokens the grammar allows after the prefix, then
 temperature and top-k (so the mask must come before top-k). The same test
 rejects a decode that masks only the draft distribution (the target
-unmasked) and one that also masks the draft distribution q although the
-drafts were drawn from the unmasked head.
+unmasked), one that also masks the draft distribution q although the
+drafts were drawn from the unmasked head, and one that keeps the head's q
+for drafts the grammar forced (drawn from a point mass).
 """
 
 from __future__ import annotations
@@ -28,15 +30,32 @@ from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
 
 V = 8
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"ca", b"bb"]
-GRAMMAR = 'root ::= p p p p p p+\np ::= "a" [bc]'
+GRAMMAR = 'root ::= p p p p p+\np ::= "a" [bc] "cc"'
 CFG = SamplerConfig(temperature=2.5, top_k=3)
-N = 6000
+N = 5000
+#: Streams per broken variant (each is rejected with p far below ALPHA_BROKEN at this size).
+N_BROKEN = 2000
 
 
 @pytest.fixture(scope="module")
 def compiled():
     info = xgr.TokenizerInfo(TOKENS, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
     return xgr.GrammarCompiler(info).compile_grammar(GRAMMAR)
+
+
+def encode(text: str) -> list[int]:
+    """Longest-match tokenization over TOKENS (the forced text's drafts)."""
+    data, out, i = text.encode(), [], 0
+    while i < len(data):
+        for L in (2, 1):
+            piece = data[i : i + L]
+            if len(piece) == L and piece in TOKENS[1:]:
+                out.append(TOKENS.index(piece))
+                i += L
+                break
+        else:
+            raise ValueError(text)
+    return out
 
 
 def allowed_after(compiled, prefix: list[int]) -> np.ndarray | None:
@@ -69,7 +88,8 @@ def masked_joint(rt, compiled, prompt: list[int], n: int) -> np.ndarray:
 def decode(rt, compiled, prompt, seeds, depth, mtp=True, stop=(0,)):
     res = mtplx_ext.generate_batched(
         rt, [prompt] * len(seeds), max_new_tokens=depth + 1, sampler=CFG, row_seeds=seeds, depth=depth,
-        use_mtp_draft=mtp, stop_token_ids=list(stop), constraints=[GrammarConstraint(compiled) for _ in seeds],
+        use_mtp_draft=mtp, stop_token_ids=list(stop),
+        constraints=[GrammarConstraint(compiled, encode=encode) for _ in seeds],
     )
     seqs = np.array([s.tokens for s in res.streams])
     assert seqs.shape == (len(seeds), depth + 1)
@@ -94,10 +114,16 @@ def rng() -> np.random.Generator:
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth):
+def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth, monkeypatch):
+    import mtplx_ext.engine.loop as loop
+
     rt, prompt = model_with_useful_head(rng, compiled, depth)
     seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    forced = []
+    real = loop.forced_drafts
+    monkeypatch.setattr(loop, "forced_drafts", lambda *a: forced.append(int(a[3].sum())) or real(*a))
     idx, res = decode(rt, compiled, prompt, seeds, depth)
+    assert sum(forced) > 0, "no draft was forced: the grammar-forced path was not exercised"
     assert res.reached[depth - 1] > 0, "no cycle reached the last draft"
     expected = masked_joint(rt, compiled, prompt, depth + 1)
     p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)
@@ -107,12 +133,15 @@ def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, co
     assert p_plain >= ALPHA_EXACT, f"constrained plain sampling off the masked target: p = {p_plain:.2e}"
 
 
-def test_the_test_rejects_masking_only_the_draft_or_masking_q_as_well(rng, compiled, monkeypatch):
+def test_the_test_rejects_masking_only_the_draft_masking_q_as_well_or_a_forced_draft_with_the_heads_q(
+        rng, compiled, monkeypatch):
+    import mtplx_ext.engine.generate as generate
+    import mtplx_ext.engine.loop as loop
     import mtplx_ext.engine.policies as policies
 
     depth = 2
     rt, prompt = model_with_useful_head(rng, compiled, depth)
-    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N_BROKEN)).tolist()
     expected = masked_joint(rt, compiled, prompt, depth + 1)
     real_verify = policies.SampledPolicy.verify
 
@@ -127,9 +156,17 @@ def test_the_test_rejects_masking_only_the_draft_or_masking_q_as_well(rng, compi
     def q_masked_too(self, logits, tokens, q, step=0):  # drafts drawn from the unmasked head
         return real_verify(self, logits, tokens, apply_bitmask(q, self.mask[:, : logits.shape[1] - 1]), step)
 
-    for name, variant in [("only the draft", only_the_draft), ("q masked too", q_masked_too)]:
+    def heads_q(tokens, info, new_tokens, forced):  # forced drafts put in, their q left as the head's
+        return mx.array(new_tokens.astype(np.int32)), info
+
+    variants = [("only the draft", policies.SampledPolicy, "verify", only_the_draft),
+                ("q masked too", policies.SampledPolicy, "verify", q_masked_too),
+                ("forced with the head's q", loop, "forced_drafts", heads_q)]
+    for name, obj, attr, variant in variants:
         with monkeypatch.context() as m:
-            m.setattr(policies.SampledPolicy, "verify", variant)
+            m.setattr(obj, attr, variant)
+            if obj is loop:
+                m.setattr(generate, "forced_drafts", variant)
             idx, _ = decode(rt, compiled, prompt, seeds, depth, stop=())
         p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)
         assert p < ALPHA_BROKEN, f"the broken variant '{name}' passed: p = {p:.2e}"

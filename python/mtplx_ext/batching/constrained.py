@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext.engine.constraint import Constraint, RowConstraints
+from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
 
 #: Suffix of a batch kind whose rows carry constraint masks.
 MASKED = "+mask"
@@ -72,17 +72,28 @@ def guide(reqs: Sequence[Any], vocab: int, positions: int) -> RowConstraints | N
     return RowConstraints(rows, vocab, positions) if any(c is not None for c in rows) else None
 
 
-def recomposed(reqs: Sequence[Any], policy: Any, nxt: Any, vocab: int, depth: int, mtp: bool) -> RowConstraints | None:
-    """The constraints of a recomposed batch (None without any), its first mask set (one read of `nxt`)."""
-    g = guide(reqs, vocab, depth + 1 if mtp else 1)
+def recomposed(eng: Any, reqs: Sequence[Any], policy: Any) -> None:
+    """Sets an `Engine`'s constraints of its recomposed batch (None without any) and the first mask.
+
+    One read of the batch's next tokens; forced drafts go into the engine's next tokens and draft logits.
+    """
+    g = eng._guide = guide(reqs, eng.vocab, eng.depth + 1 if eng.mtp else 1)
     if g is not None:
-        mask_next(g, policy, np.array(nxt), [True] * len(reqs), mtp)
-    return g
+        eng._next, eng._info = mask_next(g, policy, np.array(eng._next), [True] * len(reqs), eng.mtp, eng._next,
+                                         eng._info)
 
 
-def mask_next(g: RowConstraints, policy: Any, nxt: Any, live: Sequence[bool], mtp: bool) -> None:
-    """Sets the policy's mask for the step fed `nxt` ([B, K + 1] x0 and drafts; plain: [B, 1])."""
-    policy.mask = g.probe(np.asarray(nxt), live) if mtp else g.current()
+def mask_next(g: RowConstraints, policy: Any, host: np.ndarray, live: Sequence[bool], mtp: bool, nxt: Any,
+              info: Any) -> tuple[Any, Any]:
+    """Sets the policy's mask for the step fed `nxt` (`host`: its values; [B, K + 1] x0 and drafts, plain [B, 1]).
+
+    Returns that step's (tokens, draft logits), with forced drafts put in.
+    """
+    if not mtp:
+        policy.mask = g.current()
+        return nxt, info
+    policy.mask, toks, forced = g.probe(np.asarray(host), live)
+    return (nxt, info) if forced is None else forced_drafts(nxt, info, toks, forced)
 
 
 def read_bundle(p: Any, g: RowConstraints | None) -> np.ndarray:
@@ -97,11 +108,16 @@ def live_rows(reqs: Sequence[Any], st: Any) -> list[bool]:
     return [r.finish_reason is None and not st.done[i] for i, r in enumerate(reqs)]
 
 
-def after_cycle(g: RowConstraints, policy: Any, p: Any, b: np.ndarray, live: Sequence[bool], reqs: Sequence[Any],
-                st: Any, mtp: bool) -> None:
-    """After a cycle's read: the rows live before it commit, the rows still live get the next mask."""
+def after_cycle(eng: Any, p: Any, b: np.ndarray, live: Sequence[bool]) -> None:
+    """After an `Engine` cycle's read: the rows live before it commit, the rows still live get the next mask.
+
+    The engine's next tokens and draft logits get the forced drafts.
+    """
+    g, mtp = eng._guide, eng.mtp
     commit_cycle(g, b, live, mtp)
-    mask_next(g, policy, np.array(p.next_tokens) if mtp else b, live_rows(reqs, st), mtp)
+    host = np.array(p.next_tokens) if mtp else b
+    eng._next, eng._info = mask_next(g, eng._batch.policy, host, live_rows(eng._live, eng._streams), mtp, eng._next,
+                                     eng._info)
 
 
 def commit_cycle(g: RowConstraints, b: np.ndarray, live: Sequence[bool], mtp: bool) -> None:

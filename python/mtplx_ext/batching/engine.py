@@ -357,7 +357,7 @@ class Engine:
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
-        self._guide = constrained.recomposed(reqs, batch.policy, self._next, self.vocab, self.depth, self.mtp)
+        constrained.recomposed(self, reqs, batch.policy)  # sets _guide (and forced drafts in _next, _info)
         self._streams = batch_streams(reqs, self.vocab, self.depth if self.mtp else 0, self.mtp, self.stats)
 
     #: Launch each cycle before reading the one before it (off: one cycle at a
@@ -435,7 +435,7 @@ class Engine:
             n = int(b[i, 1]) if self.mtp else None
             self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
         if self._guide is not None:
-            constrained.after_cycle(self._guide, self._batch.policy, p, b, live, reqs, st, self.mtp)
+            constrained.after_cycle(self, p, b, live)  # the next mask (and forced drafts in _next, _info)
 
     # -- host side of a request ---------------------------------------------------
 

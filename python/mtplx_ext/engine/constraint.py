@@ -14,7 +14,9 @@ plain constrained decoding commits.
 Per cycle the host does the grammar work between the one blocking read
 (bundle plus the next cycle's x0 and drafts, evaluated together) and the
 next launch: each constrained row commits its accepted tokens, probes the
-next x0 and drafts (advance, mask, roll back) and writes a [K + 1, W] int32
+next x0 and drafts (advance, mask, roll back; drafts after a state whose
+continuation the grammar forces become the forced text's tokens, with a
+one-hot draft distribution) and writes a [K + 1, W] int32
 bitmask (W = ceil(V / 32), bit t of word t // 32 allows token t); the
 [B, K + 1, W] array is uploaded once and expanded on the device
 (`apply_bitmask`). Rows without a constraint get all-ones words: their
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -64,6 +68,9 @@ class Constraint(Protocol):
     def is_terminated(self) -> bool:
         """True once the constraint accepted its end (a stop token)."""
 
+    # Optional: `forced_tokens() -> list[int]`, the tokens of the text the
+    # constraint forces next; `RowConstraints.probe` drafts them.
+
 
 def apply_bitmask(logits: mx.array, bits: mx.array) -> mx.array:
     """logits [..., V] with the tokens whose bit is 0 in `bits` [..., W] set to -inf."""
@@ -72,6 +79,44 @@ def apply_bitmask(logits: mx.array, bits: mx.array) -> mx.array:
     allowed = (bits.astype(mx.uint32)[..., None] >> shifts) & 1
     allowed = allowed.reshape(*bits.shape[:-1], bits.shape[-1] * WORD)[..., :V]
     return mx.where(allowed.astype(mx.bool_), logits, mx.array(-float("inf"), logits.dtype))
+
+
+def _forced(c: Any, mask: np.ndarray) -> list[int]:
+    """The tokens the constraint's state forces next (its forced text tokenized, or a mask's only token)."""
+    ids = list(c.forced_tokens()) if hasattr(c, "forced_tokens") else []
+    if not ids:
+        f = _single_token(mask)
+        ids = [f] if f is not None else []
+    return ids
+
+
+def _single_token(row: np.ndarray) -> int | None:
+    """The one token a [W] bitmask allows, or None when it allows several (or none)."""
+    words = np.flatnonzero(row)
+    if words.size != 1:
+        return None
+    w = int(row[words[0]]) & 0xFFFFFFFF
+    if w & (w - 1):
+        return None
+    return int(words[0]) * WORD + w.bit_length() - 1
+
+
+def forced_drafts(
+    tokens: mx.array, info: mx.array | None, new_tokens: np.ndarray, forced: np.ndarray
+) -> tuple[mx.array, mx.array | None]:
+    """The next step's (tokens, draft logits) with forced drafts put in (`RowConstraints.probe`).
+
+    A forced draft's row of the draft logits becomes one-hot (0 at the
+    token, -inf elsewhere): the distribution it was drawn from. Greedy
+    batches carry no draft logits (None).
+    """
+    new = mx.array(new_tokens.astype(np.int32))
+    if info is None:
+        return new, None
+    V = info.shape[-1]
+    hot = mx.arange(V)[None, None, :] == new[:, 1:, None]
+    one_hot = mx.where(hot, mx.array(0.0, info.dtype), mx.array(-float("inf"), info.dtype))
+    return new, mx.where(mx.array(forced)[:, :, None], one_hot, info)
 
 
 def _usable(row: np.ndarray) -> np.ndarray:
@@ -106,11 +151,13 @@ class RowConstraints:
 
     def current(self) -> mx.array:
         """[B, T, W] masks whose position 0 is each row's current state (a prefill's or plain step's pick)."""
+        t0 = time.perf_counter()
         self._buf[:] = -1
         for b, c in enumerate(self.rows):
             if c is not None and not c.is_terminated():
                 c.fill_mask(self._buf[b, 0])
                 _usable(self._buf[b, 0])
+        self.mask_s += time.perf_counter() - t0
         return mx.array(self._buf)
 
     def commit(self, row: int, tokens: Sequence[int]) -> None:
@@ -128,32 +175,60 @@ class RowConstraints:
                 n = max(int(b[i, chain.COL_N]), 0)
                 self.commit(i, [int(b[i, chain.COL_X0])] + [int(t) for t in b[i, chain.COL_TOKENS : chain.COL_TOKENS + n]])
 
-    def probe(self, tokens: np.ndarray, live: Sequence[bool] | None = None) -> mx.array:
-        """[B, T, W] masks for a step fed `tokens` [B, T] (x0, d_1..d_K): position j after tokens[:j + 1].
+    #: Replace drafts the grammar forces (off: the head's drafts only, for side-by-side runs).
+    force_drafts = True
+
+    def probe(
+        self, tokens: np.ndarray, live: Sequence[bool] | None = None, force: bool | None = None
+    ) -> tuple[mx.array, np.ndarray | None, np.ndarray | None]:
+        """Masks for a step fed `tokens` [B, T] (x0, d_1..d_K): position j after tokens[:j + 1].
+
+        With `force` (default `force_drafts`), drafts after a state whose
+        continuation the grammar forces (JSON keys and punctuation mostly
+        are) are replaced by the tokens of that forced text (the
+        constraint's `forced_tokens`, or the one token a mask allows): they
+        are then drawn from a point mass, so their rows of the draft
+        distribution must become one-hot (`forced_drafts`); verification
+        accepts or rejects them like any draft.
+
+        Returns:
+            ([B, T, W] masks, the tokens with forced drafts or None when
+            none was forced, [B, T - 1] bool of the forced drafts or None).
 
         The constraint's state is unchanged afterwards. Positions after a
         token the constraint refuses allow everything: verification rejects
         that token (its p is 0), so later positions are never committed.
         """
-        import time
-
         t0 = time.perf_counter()
+        force = self.force_drafts if force is None else force
         self._buf[:] = -1
+        toks, forced = tokens, None
         for b, c in enumerate(self.rows):
             if c is None or (live is not None and not live[b]) or c.is_terminated():
                 continue
-            consumed = 0
+            consumed = span_end = 0
             for j in range(self.positions):
-                if c.is_terminated() or c.advance([int(tokens[b, j])]) != 1:
+                if c.is_terminated() or c.advance([int(toks[b, j])]) != 1:
                     break
                 consumed += 1
                 if c.is_terminated():  # a stop token: the stream ends here
                     break
                 c.fill_mask(self._buf[b, j])
                 _usable(self._buf[b, j])
+                if not force or j + 1 >= self.positions or j + 1 < span_end:
+                    continue
+                ids = _forced(c, self._buf[b, j])[: self.positions - 1 - j]
+                span_end = j + 1 + len(ids)
+                # Every forced position is marked, also where the head drew the
+                # same token: the proposal there is the point mass, not q.
+                for k, t in enumerate(ids):
+                    if forced is None:
+                        toks = np.array(tokens, copy=True)
+                        forced = np.zeros((len(self.rows), self.positions - 1), bool)
+                    toks[b, j + 1 + k], forced[b, j + k] = t, True
             c.rollback(consumed)
         self.mask_s += time.perf_counter() - t0
-        return mx.array(self._buf)
+        return mx.array(self._buf), (toks if forced is not None else None), forced
 
 
 class GrammarConstraint:
@@ -161,16 +236,25 @@ class GrammarConstraint:
 
     Args:
         compiled: an `xgrammar.CompiledGrammar` (from `GrammarVocab`).
+        encode: text -> token ids (the tokenizer's), for `forced_tokens`.
     """
 
-    def __init__(self, compiled: Any, _matcher: Any = None):
+    def __init__(self, compiled: Any, _matcher: Any = None, encode: Any = None):
         import xgrammar as xgr
 
         self._compiled = compiled
         self._m = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
+        self._encode = encode
 
     def fork(self) -> "GrammarConstraint":
-        return GrammarConstraint(self._compiled, self._m.fork())
+        return GrammarConstraint(self._compiled, self._m.fork(), self._encode)
+
+    def forced_tokens(self) -> list[int]:
+        """The tokenizer's tokens of the text the grammar forces next ([] without one or without `encode`)."""
+        if self._encode is None or self._m.is_terminated():
+            return []
+        text = self._m.find_jump_forward_string()
+        return list(self._encode(text)) if text else []
 
     def advance(self, tokens: Sequence[int]) -> int:
         n = 0
@@ -216,6 +300,7 @@ class GrammarVocab:
         self.stop_token_ids = list(self.info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info)
         self.vocab_size = int(vocab_size)
+        self.encode = lambda text: hf.encode(text, add_special_tokens=False)
 
     def json_schema(self, schema: dict | str, strict: bool = True) -> GrammarConstraint:
         """A constraint to JSON that validates against `schema` (ValueError for a schema it cannot compile)."""
@@ -226,7 +311,7 @@ class GrammarVocab:
             compiled = self.compiler.compile_json_schema(text, strict_mode=bool(strict), any_whitespace=False)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad schemas
             raise ValueError(f"unusable JSON schema: {e}") from None
-        return GrammarConstraint(compiled)
+        return GrammarConstraint(compiled, encode=self.encode)
 
     def json_object(self) -> GrammarConstraint:
         """A constraint to any JSON object."""
@@ -238,7 +323,8 @@ class GrammarVocab:
             compiled = self.compiler.compile_grammar(grammar)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"unusable grammar: {e}") from None
-        return GrammarConstraint(compiled)
+        return GrammarConstraint(compiled, encode=self.encode)
 
 
-__all__ = ["Constraint", "GrammarConstraint", "GrammarVocab", "RowConstraints", "apply_bitmask", "mask_words"]
+__all__ = ["Constraint", "GrammarConstraint", "GrammarVocab", "RowConstraints", "apply_bitmask", "forced_drafts",
+           "mask_words"]

@@ -13,7 +13,7 @@ from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed
 from mtplx_ext.engine import autodepth
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine import session
-from mtplx_ext.engine.constraint import Constraint, RowConstraints
+from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.loop import run_cycles
 from mtplx_ext.engine.policies import make_policy
@@ -177,7 +177,9 @@ def _generate(
         st.result.compiled = True
     if guide is not None and mtp:  # the first verification's masks: x0 and the drafts on the host
         st.result.host_syncs += 1
-        policy.mask = guide.probe(np.array(tokens))
+        policy.mask, toks, forced = guide.probe(np.array(tokens))
+        if forced is not None:
+            tokens, info = forced_drafts(tokens, info, toks, forced)
     if not mtp:
         first = Pending(tokens)
     else:

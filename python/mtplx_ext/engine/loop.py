@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.cache import rollback
-from mtplx_ext.engine.constraint import RowConstraints
+from mtplx_ext.engine.constraint import RowConstraints, forced_drafts
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.streams import Streams
 
@@ -37,7 +37,9 @@ def _constrain(cyc: Cycle, st: Streams, guide: RowConstraints, p: Pending, b: np
     live = ~st.done
     if mtp:
         guide.commit_bundle(b, live)
-        cyc.policy.mask = guide.probe(np.array(p.next_tokens), live)
+        cyc.policy.mask, toks, forced = guide.probe(np.array(p.next_tokens), live)
+        if forced is not None:
+            p.next_tokens, p.next_info = forced_drafts(p.next_tokens, p.next_info, toks, forced)
     else:
         for i in range(b.shape[0]):
             if live[i]:

@@ -156,7 +156,8 @@ def tool_call_constraint(body: dict, api: Any) -> Any:
         raise BadRequest(f"tools: cannot build the call grammar: {e}", "tools") from None
     from mtplx_ext.engine.constraint import GrammarConstraint
 
-    return GrammarConstraint(grammar_vocab(api).compiler.compile_grammar(grammar))
+    gv = grammar_vocab(api)
+    return GrammarConstraint(gv.compiler.compile_grammar(grammar), encode=gv.encode)
 
 
 def constraint(body: dict, api: Any) -> Any:
