@@ -17,7 +17,7 @@ import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
 WINDOW = 8
-TARGET_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+TARGET_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
 def target_config(vocab: int = 256, hidden: int = 64, **kw) -> Gemma4TextConfig:
