@@ -27,6 +27,7 @@ def add_parser(sub: Any) -> None:
     """Adds the `bench` verb to the dispatcher's subparsers."""
     b = sub.add_parser("bench", help="MTP vs plain decoding vs mlx-lm, tokens/s")
     b.add_argument("--model", help="model folder (default: the shipped model)")
+    b.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
     b.add_argument(
         "--batch",
         type=parse_batches,
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None:
             check_writable(flag, path)
     out = Stdout()
-    rt = common.load_model(args.model, need_mtp=True)
+    rt = common.load_model(args.model, need_mtp=True, drafter=args.drafter)
     tok = tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
     baseline = mlx_lm_model(Path(args.model) if args.model else SHIPPED_MODEL)

@@ -15,6 +15,7 @@ def add_parser(sub: Any) -> None:
     """Adds the `serve` verb to the dispatcher's subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible server with continuous MTP batching")
     s.add_argument("--model", help="model folder (default: the shipped model)")
+    s.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--max-batch", type=positive("--max-batch"), default=8, help="most streams decoding at once")
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if not 0 <= args.port < 65536:
         raise CLIError(f"--port must be in [0, 65535], got {args.port}")
-    rt = common.load_model(args.model, need_mtp=not args.no_mtp)
+    rt = common.load_model(args.model, need_mtp=not args.no_mtp, drafter=args.drafter)
     folder = Path(args.model) if args.model else SHIPPED_MODEL
     try:
         serve(rt, folder, host=args.host, port=args.port, max_batch=args.max_batch, depth=args.depth,
