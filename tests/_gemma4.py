@@ -17,7 +17,7 @@ import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
 
 WINDOW = 8
-TARGET_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention", "sliding_attention"]
+TARGET_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
 def target_config(vocab: int = 256, hidden: int = 64, **kw) -> Gemma4TextConfig:
@@ -30,7 +30,7 @@ def target_config(vocab: int = 256, hidden: int = 64, **kw) -> Gemma4TextConfig:
     return Gemma4TextConfig(**{**base, **kw})
 
 
-def assistant_config(vocab: int = 256, backbone: int = 64, hidden: int = 48, centroids: int = 0, **kw) -> Gemma4AssistantConfig:
+def assistant_config(vocab: int = 256, backbone: int = 64, hidden: int = 32, centroids: int = 0, **kw) -> Gemma4AssistantConfig:
     text = dict(
         model_type="gemma4_text", vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, hidden_size_per_layer_input=0,
@@ -58,7 +58,7 @@ def make_pair(
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     tc = target_config(vocab, **(target_kw or {}))
-    hidden = tc.hidden_size if repeat is not None else 48
+    hidden = tc.hidden_size if repeat is not None else 32
     target = Gemma4ForCausalLM(tc).eval()
     assistant = Gemma4AssistantForCausalLM(
         assistant_config(vocab, tc.hidden_size, hidden, centroids, **(assistant_kw or {}))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 import torch
@@ -175,3 +176,40 @@ def test_a_drafter_for_another_family_is_refused(tmp_path, rng):
         mtplx_ext.load(other, drafter=a_path)
     with pytest.raises(CheckpointError, match="model_type 'qwen3' is not a drafter"):
         mtplx_ext.load(other, drafter=other)
+
+
+def test_convert_writes_an_mlx_drafter_folder_float_bit_exact_and_quantized_like_the_trunk(pair, tmp_path, rng):
+    from mtplx_ext import cli
+
+    t_path, a_path = pair
+    assert cli.main(["convert", "--drafter", str(a_path), str(t_path), str(tmp_path / "f")]) == 0
+    assert cli.main(["convert", "--drafter", str(a_path), str(t_path), str(tmp_path / "q"), "-q", "--q-bits", "8",
+                     "--q-group-size", "32"]) == 0
+    hf = mtplx_ext.load(t_path, drafter=a_path, fuse_cpu_ops=False)
+    fl = mtplx_ext.load(t_path, drafter=tmp_path / "f", fuse_cpu_ops=False)
+    qt = mtplx_ext.load(t_path, drafter=tmp_path / "q", fuse_cpu_ops=False)
+    assert isinstance(qt.head.pre_projection, nn.QuantizedLinear)
+    assert isinstance(qt.head.model.embed_tokens, nn.QuantizedEmbedding)
+    prompts = [rng.integers(0, 256, size=int(rng.integers(WINDOW + 1, 3 * WINDOW))).tolist() for _ in range(3)]
+    runs = [mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=8, depth=2) for rt in (hf, fl, qt)]
+    assert [s.tokens for s in runs[0].streams] == [s.tokens for s in runs[2].streams]  # lossless either way
+    assert runs[0].accepted_at == runs[1].accepted_at  # the float folder drafts as the HF one
+    # The 8-bit drafter's step stays near the float one's.
+    cache = hf.make_cache([0], ragged=True, capacity=64)
+    _, hidden = hf.forward(mx.array([prompts[0]]), cache)
+    emb = gemma4_trunk.scaled_embed(hf.trunk, hf.trunk.model.embed_tokens(mx.array([[3]])))
+    fr = ga.frozen_kv(hf.trunk, cache, hf.head.layer_types, WINDOW)
+    a, _ = hf.head.step(emb, hidden[:, -1:], fr)
+    b, _ = qt.head.step(emb, hidden[:, -1:], fr)
+    assert 0 < float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(a).max()) + 1e-3
+
+
+def test_cli_refuses_a_missing_drafter_and_a_target_without_one_in_one_line(pair, tmp_path, capsys):
+    from mtplx_ext import cli
+
+    t_path, _ = pair
+    assert cli.main(["generate", "--model", str(t_path), "--drafter", str(tmp_path / "none"), "x"]) == 2
+    assert "--drafter" in capsys.readouterr().err
+    assert cli.main(["generate", "--model", str(t_path), "x"]) == 2
+    err = capsys.readouterr().err
+    assert "no MTP head weights" in err and "--drafter" in err and err.count("\n") == 1

@@ -22,12 +22,18 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
-def load_model(path: str | None, need_mtp: bool, group: Any = None, parallel: str = "tensor") -> Any:
+def load_model(path: str | None, need_mtp: bool, drafter: str | None = None, group: Any = None,
+               parallel: str = "tensor") -> Any:
     """Loads a model folder (default: the shipped one) with one-line errors.
 
+    `drafter`: a Gemma 4 assistant folder drafting for the model (`--drafter`).
     With a distributed `group`, this rank's part of it (`checkpoints.sharded`,
     split as `parallel` says).
     """
+    if drafter is not None and not Path(drafter).is_dir():
+        raise CLIError(f"--drafter {drafter!r} is not a folder (give a gemma4_assistant model folder)")
+    if drafter is not None and group is not None:
+        raise CLIError("--drafter cannot be combined with --tensor-parallel / --pipeline-parallel")
     folder = Path(path) if path else SHIPPED_MODEL
     if not folder.exists():
         if path is None:
@@ -40,13 +46,14 @@ def load_model(path: str | None, need_mtp: bool, group: Any = None, parallel: st
     if not any(folder.glob("*.safetensors")):
         raise CLIError(f"model folder {str(folder)!r} has no *.safetensors weights")
     try:
-        rt = load(folder) if group is None else sharded.load(folder, group=group, parallel=parallel)
+        rt = load(folder, drafter=drafter) if group is None else sharded.load(folder, group=group, parallel=parallel)
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # corrupt files: one line, never a traceback
         raise CLIError(f"cannot load model folder {str(folder)!r}: {e}") from e
     if need_mtp and not rt.has_mtp:
         raise CLIError(
             f"model folder {str(folder)!r} has no MTP head weights; use --no-mtp for plain decoding with it, "
-            "or add the head with `mtplx-ext convert --mtp-from HF_FOLDER MLX_FOLDER OUT`"
+            "add the head with `mtplx-ext convert --mtp-from HF_FOLDER MLX_FOLDER OUT`, "
+            "or give a Gemma 4 target its assistant with --drafter ASSISTANT_FOLDER"
         )
     return rt
 

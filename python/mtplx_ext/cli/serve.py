@@ -17,6 +17,7 @@ def add_parser(sub: Any) -> None:
     """Adds the `serve` verb to the dispatcher's subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible server with continuous MTP batching")
     s.add_argument("--model", help="model folder (default: the shipped model)")
+    s.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--max-batch", type=positive("--max-batch"), default=8, help="most streams decoding at once")
@@ -58,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
-        rt = common.load_model(args.model, need_mtp=not args.no_mtp, **parallel.load_kwargs(dist))
+        rt = common.load_model(args.model, need_mtp=not args.no_mtp, drafter=args.drafter,
+                               **parallel.load_kwargs(dist))
         folder = Path(args.model) if args.model else SHIPPED_MODEL
         if args.depth == "auto" and not args.no_mtp:
             parallel.agree_depth(dist, rt, [args.max_batch])
