@@ -19,7 +19,6 @@ from mlx.utils import tree_flatten
 from mtplx_ext import SamplerConfig, generate_batched
 from mtplx_ext.batching.collective import Agreement, DistributedError, Watchdog
 from mtplx_ext.batching.lockstep import LockstepEngine
-from mtplx_ext.checkpoints import sharded
 
 
 def _generate(rt, spec: dict, group, dog: Watchdog) -> list:
@@ -70,7 +69,7 @@ def main() -> int:
     dog = Watchdog(spec.get("timeout", 60), group.rank())
     results = {}
     for job in spec["jobs"]:
-        rt = sharded.load(job["folder"], group=group, parallel=job["parallel"], head=job.get("head", "replicate"),
+        rt = mtplx_ext.load(job["folder"], group=group, parallel=job["parallel"], head=job.get("head", "replicate"),
                           fuse_cpu_ops=False)
         dog.beat()
         nbytes = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))

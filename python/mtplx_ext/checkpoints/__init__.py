@@ -1,6 +1,8 @@
 """Checkpoint I/O: model folders in and out, conversion, quantization, random models.
 
 * `loading`: `load(folder)` -> `MTPRuntime` (trunk through mlx-lm, head by layout);
+* `sharded`: `load(folder, group=mx.distributed.init(), parallel="tensor" | "pipeline")`,
+  this rank's part of the model (mlx-lm's `shard()` / `pipeline()`);
 * `saving`: `save_runtime(runtime, folder)` (mlx-lm's trunk files, `mtp.safetensors`);
 * `convert`: Hugging Face checkpoints (sharded, quantized on request) to MLX folders;
 * `quantize`: mlx-lm's quantization applied to trunk and head;
@@ -11,13 +13,16 @@ or `FileNotFoundError` naming the file, field or tensor.
 """
 
 from mtplx_ext._checks import CheckpointError
+from pathlib import Path
+from typing import Any
+
+from mtplx_ext.checkpoints import loading, sharded
 from mtplx_ext.checkpoints.loading import (
     HEAD_FILE,
     INDEX_FILE,
     build_runtime,
     check_config,
     head_checkpoint_name,
-    load,
     load_strict,
     read_config,
     read_index,
@@ -36,6 +41,37 @@ from mtplx_ext.checkpoints.saving import (
     write_weights,
 )
 from mtplx_ext.models.runtime import MTPRuntime
+
+def load(
+    path: str | Path,
+    *,
+    fuse_cpu_ops: bool = True,
+    group: Any = None,
+    parallel: str = "tensor",
+    head: str = "replicate",
+) -> MTPRuntime:
+    """Loads a model folder into an MTP runtime; with a distributed `group`, this rank's part of it.
+
+    Args:
+        path, fuse_cpu_ops: as `loading.load`.
+        group: an `mx.distributed.Group` (e.g. `mx.distributed.init()` in a
+            process started by `mlx.launch`): the model is split across it
+            (`sharded.load`); None loads the whole model.
+        parallel: "tensor" (every layer split, mlx-lm's `shard()`) or
+            "pipeline" (one stage of layers per rank, mlx-lm's `pipeline()`).
+        head: "replicate" (default; every rank runs the whole MTP head) or
+            "shard" (split like a trunk layer; tensor parallel only).
+
+    Raises:
+        as `loading.load`; ValueError naming `parallel` / `head` for an
+        unknown mode; CheckpointError for a family or width that cannot be
+        split that way.
+    """
+    if group is None:
+        sharded.check_parallel(parallel, head)
+        return loading.load(path, fuse_cpu_ops=fuse_cpu_ops)
+    return sharded.load(path, group=group, parallel=parallel, head=head, fuse_cpu_ops=fuse_cpu_ops)
+
 
 # The models layer does not know file formats: this layer installs the writer
 # behind `MTPRuntime.save`.
