@@ -111,6 +111,8 @@ def measure(args) -> dict:
                 r = generate_greedy_batched(rt, prompts, max_new_tokens=args.tokens, depth=max(d, 1),
                                             use_mtp_draft=d > 0)
                 key = f"b{b}-d{d}"
+                print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {r.tokens_per_s:.2f} tokens/s",
+                      file=sys.stderr, flush=True)
                 runs.setdefault(key, []).append(r.tokens_per_s)
                 accept[key] = r.mean_accepted_length if d > 0 else 0.0
                 cycle_s.setdefault(key, []).append(r.decode_s / max(r.cycles, 1))
