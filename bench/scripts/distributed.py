@@ -97,7 +97,8 @@ def measure(args) -> dict:
     else:
         rt = load(args.model)
     load_s = time.perf_counter() - t
-    mem = {"after_load_mlx_peak_mb": mx.get_peak_memory() / 2**20, "after_load_rss_mb": _rss_mb()}
+    mem = {"after_load_mlx_peak_mb": mx.get_peak_memory() / 2**20, "after_load_rss_mb": _rss_mb(),
+           "after_load_mlx_active_mb": mx.get_active_memory() / 2**20}
     prompts_all = encode_prompts(rt.tokenizer, list(BENCH_PROMPTS))
     runs: dict[str, list[float]] = {}
     accept: dict[str, float] = {}
@@ -124,7 +125,8 @@ def measure(args) -> dict:
         "tokens_per_s_all": runs, "mean_accepted_length": accept,
         "cycle_ms": {k: statistics.median(v) * 1e3 for k, v in cycle_s.items()},
         "rounds": rounds, "collective_ms": _latency_ms(group, hidden) if group.size() > 1 else 0.0,
-        "memory": {**mem, "end_mlx_peak_mb": mx.get_peak_memory() / 2**20, "end_rss_mb": _rss_mb()},
+        "memory": {**mem, "end_mlx_peak_mb": mx.get_peak_memory() / 2**20, "end_rss_mb": _rss_mb(),
+                   "end_mlx_active_mb": mx.get_active_memory() / 2**20},
     }
     return out
 
