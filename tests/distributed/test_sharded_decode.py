@@ -101,6 +101,11 @@ def run(tmp_path_factory):
     want["engine"] = _engine_oracle(rt, job)
     whole["engine"] = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))
     jobs.append(job)
+    # The broken variant: rank 1 loads another model of the same shape (plain decoding, so both ranks
+    # still run the same number of forwards); the agreement check must catch it.
+    mtplx_ext.init_random("qwen3", seed=int(rng.integers(0, 2**31))).save(tmp / "other")
+    jobs.append({"name": "diverge", "task": "generate", "folder": [str(tmp / "engine"), str(tmp / "other")],
+                 "parallel": "tensor", "cases": [{"prompts": [[1, 2, 3, 4]] * 2, "depth": 0, "max_new": 12}]})
     _, outs = run_worker({"timeout": 60, "jobs": jobs}, tmp, timeout=150)
     return jobs, want, whole, outs
 
@@ -124,6 +129,12 @@ def test_lockstep_engine_with_random_arrivals_equals_one_process(run):
     assert outs[0]["jobs"]["engine"]["result"] == want["engine"]
     assert all(len(t) > 0 for t in want["engine"])
     assert outs[1]["jobs"]["engine"]["param_bytes"] < whole["engine"]
+
+
+def test_ranks_that_commit_different_tokens_are_caught(run):
+    outs = run[3]
+    for o in outs:
+        assert "committed different tokens" in o["jobs"]["diverge"]["result"]["error"]
 
 
 def test_the_comparison_can_fail(rng):

@@ -210,6 +210,7 @@ class LockstepEngine(Engine):
             os._exit(4)
         for rid in [rid for rid, r in self._known.items() if r.done]:
             del self._known[rid]
+            self._cancelled.discard(rid)
         if self.closed:  # the stop flag: no step after this one holds a collective
             self.fail_all("the engine stopped")
         return busy

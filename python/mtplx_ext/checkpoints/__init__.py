@@ -3,6 +3,9 @@
 * `loading`: `load(folder)` -> `MTPRuntime` (trunk through mlx-lm, head by layout);
 * `assistant`: `load(folder, drafter=assistant_folder)`: a Gemma 4 assistant as the drafter, its conversion;
 * `gemma4`: Gemma 4 `per_layer_config` mapped onto mlx-lm's fields;
+
+* `sharded`: `load(folder, group=mx.distributed.init(), parallel="tensor" | "pipeline")`,
+  this rank's part of the model (mlx-lm's `shard()` / `pipeline()`);
 * `saving`: `save_runtime(runtime, folder)` (mlx-lm's trunk files, `mtp.safetensors`);
 * `convert`: Hugging Face checkpoints (sharded, quantized on request) to MLX folders;
 * `quantize`: mlx-lm's quantization applied to trunk and head;
@@ -13,6 +16,10 @@ or `FileNotFoundError` naming the file, field or tensor.
 """
 
 from mtplx_ext._checks import CheckpointError
+from pathlib import Path
+from typing import Any
+
+from mtplx_ext.checkpoints import loading, sharded
 from mtplx_ext.checkpoints.loading import (
     HEAD_FILE,
     INDEX_FILE,
@@ -27,7 +34,8 @@ from mtplx_ext.checkpoints.loading import (
     read_weights,
     weight_files,
 )
-from mtplx_ext.checkpoints.assistant import convert_assistant, is_assistant_folder, load
+from mtplx_ext.checkpoints import assistant
+from mtplx_ext.checkpoints.assistant import convert_assistant, is_assistant_folder
 from mtplx_ext.checkpoints.random import SMALL_CONFIGS, init_random
 from mtplx_ext.checkpoints.saving import (
     add_mtp_modules,
@@ -38,6 +46,43 @@ from mtplx_ext.checkpoints.saving import (
     write_weights,
 )
 from mtplx_ext.models.runtime import MTPRuntime
+
+
+def load(
+    path: str | Path,
+    *,
+    fuse_cpu_ops: bool = True,
+    drafter: str | Path | None = None,
+    group: Any = None,
+    parallel: str = "tensor",
+    head: str = "replicate",
+) -> MTPRuntime:
+    """Loads a model folder into an MTP runtime; with a distributed `group`, this rank's part of it.
+
+    Args:
+        path, fuse_cpu_ops: as `loading.load`.
+        drafter: a Gemma 4 assistant folder drafting for the model
+            (`assistant.load`); not with a `group`.
+        group: an `mx.distributed.Group` (e.g. `mx.distributed.init()` in a
+            process started by `mlx.launch`): the model is split across it
+            (`sharded.load`); None loads the whole model.
+        parallel: "tensor" (every layer split, mlx-lm's `shard()`) or
+            "pipeline" (one stage of layers per rank, mlx-lm's `pipeline()`).
+        head: "replicate" (default; every rank runs the whole MTP head) or
+            "shard" (split like a trunk layer; tensor parallel only).
+
+    Raises:
+        as `loading.load`; ValueError naming `parallel` / `head` for an
+        unknown mode; CheckpointError for a family or width that cannot be
+        split that way.
+    """
+    if group is None:
+        sharded.check_parallel(parallel, head)
+        return assistant.load(path, fuse_cpu_ops=fuse_cpu_ops, drafter=drafter)
+    if drafter is not None:
+        raise ValueError("drafter cannot be combined with a distributed group (not supported yet)")
+    return sharded.load(path, group=group, parallel=parallel, head=head, fuse_cpu_ops=fuse_cpu_ops)
+
 
 # The models layer does not know file formats: this layer installs the writer
 # behind `MTPRuntime.save`.

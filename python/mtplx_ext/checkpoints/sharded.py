@@ -135,6 +135,7 @@ def load(
         config, weights, tokenizer, where=where,
         prepare=lambda rt: shard_runtime(rt, group, parallel, head, where),
     )
+    mx.clear_cache()  # the full tensors the slices were cut from
     if fuse_cpu_ops:
         runtime.fuse_cpu_ops()
     # Ranks that finished loading wait here for the slower ones (as mlx-lm's sharded_load).

@@ -14,7 +14,7 @@ from mtplx_ext import sampling
 from mtplx_ext._checks import MAX_DRAFTS, SEED_LIMIT, as_int
 from mtplx_ext.benchmark import encode_prompts
 from mtplx_ext.cache.compiled_step import mlx_kernel_cache_dir
-from mtplx_ext.checkpoints import load, sharded
+from mtplx_ext.checkpoints import load
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 
@@ -46,7 +46,7 @@ def load_model(path: str | None, need_mtp: bool, drafter: str | None = None, gro
     if not any(folder.glob("*.safetensors")):
         raise CLIError(f"model folder {str(folder)!r} has no *.safetensors weights")
     try:
-        rt = load(folder, drafter=drafter) if group is None else sharded.load(folder, group=group, parallel=parallel)
+        rt = load(folder, drafter=drafter) if group is None else load(folder, group=group, parallel=parallel)
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # corrupt files: one line, never a traceback
         raise CLIError(f"cannot load model folder {str(folder)!r}: {e}") from e
     if need_mtp and not rt.has_mtp:
