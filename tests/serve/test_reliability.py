@@ -147,6 +147,7 @@ def test_a_surrogate_pair_is_text_and_every_documented_role_is_accepted(server):
     status, r, _ = _post(conn, "/v1/completions", rb'{"prompt": "x = \ud83d\ude00", "max_tokens": 2}')
     assert status == 200, r
     msgs = [{"role": role, "content": "hi"} for role in ("system", "developer", "user", "assistant", "tool", "user")]
+    msgs[4]["tool_call_id"] = "call_0"  # a tool message answers a call
     status, r, _ = _post(conn, "/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode())
     assert status == 200, r
     conn.close()

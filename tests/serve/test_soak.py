@@ -41,6 +41,8 @@ def _job(rng: random.Random) -> dict:
     kind = "malformed" if u < 0.06 else ("disconnect" if u < 0.2 else "ok")
     chat = rng.random() < 0.3
     body: dict = {"max_tokens": rng.randint(1, 48), "stream": rng.random() < 0.5}
+    if body["stream"]:  # streams carry usage only when asked, as OpenAI's
+        body["stream_options"] = {"include_usage": True}
     text = rng.choice(SNIPPETS) * rng.randint(1, 3)
     body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
     s = rng.random()
@@ -85,8 +87,9 @@ def _run(base: str, job: dict) -> str:
                 if gone and len(data) > job["chunks"]:
                     return "gone"  # leaves the stream without reading on
     assert data[-1] == "[DONE]", data
-    last = json.loads(data[-2])
-    _check(last["choices"][0]["finish_reason"], last["usage"]["completion_tokens"], body)
+    last, usage = json.loads(data[-3]), json.loads(data[-2])  # include_usage: usage in a chunk of its own
+    assert usage["choices"] == [], usage
+    _check(last["choices"][0]["finish_reason"], usage["usage"]["completion_tokens"], body)
     return "ok"
 
 

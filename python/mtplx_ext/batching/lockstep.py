@@ -91,6 +91,8 @@ class LockstepEngine(Engine):
     def submit(self, prompt: Sequence[int], **kwargs: Any) -> Request:
         if self.rank != 0:
             raise RuntimeError("LockstepEngine.submit: only rank 0 takes requests")
+        if kwargs.get("constraint") is not None:  # a grammar's matcher state cannot be sent to the other ranks
+            raise ValueError("constraint (structured outputs) is not supported across ranks yet")
         cb = kwargs.pop("on_event", None)
         holder: list[Request] = []
 
@@ -112,14 +114,14 @@ class LockstepEngine(Engine):
         self._stop_wanted = True
         self._inbox.put(None)
 
-    def stop(self, timeout: float | None = 30.0) -> None:
+    def stop(self, timeout: float | None = 30.0, reason: str = "the engine stopped") -> None:
         if self.rank == 0 and self._thread is not None and not self.closed:
             self.request_stop()
             # The engine thread sends the flag at its next step (at most one idle wait away).
             end = time.monotonic() + (timeout or 30.0)
             while not self.closed and time.monotonic() < end and self._thread is not None:
                 time.sleep(0.02)
-        super().stop(timeout)
+        super().stop(timeout, reason)
 
     def admit(self, r: Request) -> None:
         if r.id not in self._agreed:  # taken off the inbox by the idle loop: sent at the next step
@@ -134,7 +136,9 @@ class LockstepEngine(Engine):
         specs = [
             {"id": r.id, "prompt": r.prompt, "max_tokens": r.max_tokens, "seed": r.seed,
              "stop_ids": sorted(r.stop_ids), "stop": list(r.stop),
-             "sampler": {f: getattr(r.sampler, f) for f in _SAMPLER_FIELDS}}
+             "depth": r.depth, "logprobs": r.logprobs,
+             "sampler": {**{f: getattr(r.sampler, f) for f in _SAMPLER_FIELDS},
+                         "logit_bias": [list(e) for e in r.sampler.logit_bias]}}
             for r in new
         ]
         return json.dumps({"new": specs, "cancel": cancel}).encode()
@@ -185,11 +189,13 @@ class LockstepEngine(Engine):
 
     def _request(self, spec: dict) -> Request:
         """Rank > 0: the Request rank 0 built, from its sent fields."""
-        sampler = SamplerConfig(**spec["sampler"])
+        fields = dict(spec["sampler"])
+        fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))
+        sampler = SamplerConfig(**fields)
         stops = admission.check_stops(spec["stop"], self.tokenizer is not None)
         r = Request(int(spec["id"]), list(spec["prompt"]), sampler, int(spec["max_tokens"]),
                     frozenset(spec["stop_ids"]), stops, int(spec["seed"]), None,
-                    depth=self.depth if self.mtp else 0, tokenizer=self.tokenizer)
+                    depth=int(spec["depth"]), tokenizer=self.tokenizer, logprobs=spec["logprobs"])
         r.need = admission.request_need(len(r.prompt), r.max_tokens, self.depth, self.mtp)
         return r
 
@@ -225,9 +231,9 @@ class LockstepEngine(Engine):
             if r.id in self._cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True) -> None:
+    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
         self._crc = zlib.crc32(np.asarray([r.id, *new], dtype=np.int64).tobytes(), self._crc)
-        super()._commit_host(r, new, reason, valid)
+        super()._commit_host(r, new, reason, valid, lp=lp)
 
     def follow(self) -> None:
         """Rank > 0: steps in lockstep with rank 0 until it sends the stop flag."""

@@ -58,7 +58,7 @@ COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 #: Chat-only fields a completion body must not carry (they would do nothing there).
-CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "response_format")
+CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens")
 
 
 def check_unsupported(body: dict, kind: str) -> None:
