@@ -114,7 +114,9 @@ def test_server_on_two_ranks_answers_the_openai_client_like_the_offline_engine(f
 
 
 def test_a_rank_killed_mid_decode_makes_the_survivor_exit_with_one_clear_error(folder, tmp_path):
-    procs = spawn(["-m", "mtplx_ext.cli", "generate", "--model", str(folder), "--max-tokens", "3000", "--depth", "2",
+    # --ignore-eos: a random model may end its text before the kill, leaving nothing to interrupt.
+    procs = spawn(["-m", "mtplx_ext.cli", "generate", "--model", str(folder), "--max-tokens", "3000", "--ignore-eos",
+                   "--depth", "2",
                    "--tensor-parallel", "--dist-timeout", "20", "def main():"], tmp_path)
     started = threading.Event()
 

@@ -27,7 +27,7 @@ SCHEMA = {
     "type": "object",
     "properties": {
         "name": {"type": "string", "maxLength": 16},
-        "count": {"type": "integer"},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},  # bounded: a sampled answer always ends
         "ok": {"type": "boolean"},
         "color": {"enum": ["red", "green", "blue"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},

@@ -38,6 +38,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--top-k", type=sampler_flag("--top-k", "top_k", int), default=0, help="0 = off")
     g.add_argument("--seed", type=seed_flag, default=0)
     g.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding")
+    g.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens whatever the model emits")
     g.add_argument("--depth", type=depth_flag, default="auto",
                    help="MTP drafts per cycle, 1..8, or auto (default: the fastest here, plain where MTP would not pay)")
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     with parallel.guard(dist):
         if args.depth == "auto" and not args.no_mtp:
             parallel.agree_depth(dist, rt, [len(prompts)], args.enforce_eager)
-        res = decode(rt, prompts, args, on_commit=parallel.on_commit(dist, streamer), stop=stop_ids(tok))
+        res = decode(rt, prompts, args, on_commit=parallel.on_commit(dist, streamer), stop=() if args.ignore_eos else stop_ids(tok))
         parallel.finish(dist)
     streamer.finish()
     per_stream = res.generated_tokens / len(prompts)
