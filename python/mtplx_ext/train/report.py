@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-def command_line(cfg: dict, out: str | None = None) -> str:
-    """The command that reproduces a run with config `cfg`."""
-    parts = ["python -m mtplx_ext.train", f"--out {out or cfg['out']}"]
+def command_line(cfg: dict, out: str | None = None, prog: str = "python -m mtplx_ext.train") -> str:
+    """The command (`prog` and one flag per field) that reproduces a run with config `cfg`."""
+    parts = [prog, f"--out {out or cfg['out']}"]
     for name, value in cfg.items():
         if name != "out":
             parts.append(f"--{name.replace('_', '-')} {value}")

@@ -33,6 +33,7 @@ from mtplx_ext import _blas
 from mtplx_ext.checkpoints import add_mtp_modules, init_random, load
 from mtplx_ext.shipped import EOS_TOKEN
 from mtplx_ext.train.corpus import encode_files, split_files, stdlib_files, stdlib_root, train_tokenizer
+from mtplx_ext.train.loop import lr_at, run_loop, sample_windows
 from mtplx_ext.train.report import write_model_readme
 
 # -- model -------------------------------------------------------------------
@@ -212,26 +213,17 @@ def evaluate(rt, tokens: np.ndarray, seq_len: int, max_tokens: int, batch: int =
     return out
 
 
-def lr_at(frac: float, cfg: TrainConfig, step: int) -> float:
-    """Linear warmup over `cfg.warmup` steps, then cosine decay to 10% of the peak.
-
-    Args:
-        frac: fraction of the run done (by steps, or by time when the run
-            is limited by --minutes).
-    """
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    frac = min(1.0, max(0.0, frac))
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def _progress(total: int, desc: str, unit: str):
-    try:
-        from tqdm import tqdm
-
-        return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, mininterval=2.0)
-    except ImportError:  # tqdm comes with mlx-lm; plain log lines without it
-        return None
+def file_start_prompts(tokens: np.ndarray, eos: int, n: int, length: int) -> list[list[int]]:
+    """Up to `n` prompts: the first `length` tokens of each file in an EOS-separated stream
+    (files shorter than that are skipped), in stream order."""
+    prompts = []
+    for s in [0] + [int(i) + 1 for i in np.flatnonzero(tokens == eos)[:-1]]:
+        window = tokens[s : s + length]
+        if len(window) == length and eos not in window:
+            prompts.append([int(t) for t in window])
+        if len(prompts) == n:
+            break
+    return prompts
 
 
 def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: int = 8,
@@ -239,14 +231,7 @@ def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: 
     """Greedy MTP decoding from the starts of held-out files: the real acceptance rate."""
     from mtplx_ext.engine import generate_greedy_batched
 
-    starts = [0] + [int(i) + 1 for i in np.flatnonzero(held_tokens == eos)[:-1]]
-    prompts = []
-    for s in starts:
-        window = held_tokens[s : s + prompt_len]
-        if len(window) == prompt_len and eos not in window:
-            prompts.append([int(t) for t in window])
-        if len(prompts) == n_prompts:
-            break
+    prompts = file_start_prompts(held_tokens, eos, n_prompts, prompt_len)
     res = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens)
     single = [generate_greedy_batched(rt, [p], max_new_tokens=new_tokens).acceptance_rate for p in prompts]
     return {
@@ -312,10 +297,6 @@ def train(cfg: TrainConfig) -> dict:
 
     step_fn = mx.compile(_step, inputs=state, outputs=state)
 
-    def sample() -> mx.array:
-        starts = rng.integers(0, len(train_tokens) - cfg.seq_len - 1, size=cfg.batch)
-        return mx.array(np.stack([train_tokens[s : s + cfg.seq_len + 1] for s in starts]))
-
     def run_step(seq):
         res = step_fn(seq)
         mx.eval(state, res)
@@ -323,36 +304,9 @@ def train(cfg: TrainConfig) -> dict:
 
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
-    budget_s = cfg.minutes * 60
-    by_steps = cfg.max_steps > 0
-    bar = _progress(cfg.max_steps if by_steps else int(budget_s), "train", "step" if by_steps else "s")
-    t_train = time.time()
-    ema = None
-    step = 0
-    while True:
-        elapsed = time.time() - t_train
-        if (by_steps and step >= cfg.max_steps) or (not by_steps and elapsed >= budget_s):
-            break
-        frac = step / cfg.max_steps if by_steps else elapsed / budget_s
-        opt.learning_rate = lr_at(frac, cfg, step)
-        loss, trunk_ce, head_ce = run_step(sample())
-        vals = (loss.item(), trunk_ce.item(), head_ce.item())
-        ema = vals if ema is None else tuple(0.95 * e + 0.05 * v for e, v in zip(ema, vals))
-        if step % 10 == 0:
-            rec = {"step": step, "loss": vals[0], "trunk_ce": vals[1], "head_ce": vals[2],
-                   "lr": float(opt.learning_rate), "elapsed_s": round(time.time() - t_train, 1)}
-            log.write(json.dumps(rec) + "\n")
-            log.flush()
-            if bar is None:
-                print(json.dumps(rec), flush=True)
-        if bar is not None:
-            bar.set_postfix(step=step, trunk=f"{ema[1]:.3f}", head=f"{ema[2]:.3f}", refresh=False)
-            bar.update(1 if by_steps else min(int(time.time() - t_train), int(budget_s)) - bar.n)
-        step += 1
-    total = step
-    if bar is not None:
-        bar.close()
-    train_s = time.time() - t_train
+    done = run_loop(cfg, opt, run_step, lambda: sample_windows(rng, train_tokens, cfg.batch, cfg.seq_len + 1),
+                    ("loss", "trunk_ce", "head_ce"), log)
+    total, train_s = done.steps, done.train_s
 
     heldout = evaluate(rt, held_tokens, cfg.seq_len, cfg.eval_tokens, depth=max(cfg.depth, 3))
     heldout["decode"] = heldout_decode_acceptance(rt, held_tokens, tok.token_to_id(EOS_TOKEN))
@@ -370,7 +324,7 @@ def train(cfg: TrainConfig) -> dict:
         "heldout_files": len(held_files),
         "train_tokens": int(len(train_tokens)),
         "heldout_tokens": int(len(held_tokens)),
-        "final_train_ema": dict(zip(("loss", "trunk_ce", "head_ce"), ema or (None,) * 3)),
+        "final_train_ema": done.ema,
         "heldout": heldout,
         "train_s": round(train_s, 1),
         "total_s": round(time.time() - t_start, 1),
