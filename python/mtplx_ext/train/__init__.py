@@ -5,7 +5,12 @@
 * `trainer`: the joint objective (next token through the trunk, later tokens
   through the MTP head), evaluation and the run (`train(TrainConfig)`);
 * `report`: the reproducing command and the model folder's README;
-* `cli`: `python -m mtplx_ext.train` / `mtplx-ext train`.
+* `cli`: `python -m mtplx_ext.train` / `mtplx-ext train`;
+* `loop`: the run loop both trainers share (budget, schedule, batches, log);
+* `gemma4_pair`, `gemma4`, `gemma4_report`: a tiny Gemma 4 pair, a
+  `gemma4_text` target and then its `gemma4_assistant` trained against it
+  frozen (`python -m mtplx_ext.train.gemma4 target|assistant`; not imported
+  here, so that `-m` runs it once).
 """
 
 from mtplx_ext.train.cli import main, parse_args
