@@ -83,3 +83,19 @@ def make_pair(
     target.save_pretrained(t_path)
     assistant.save_pretrained(a_path)
     return t_path, a_path
+
+
+def wrap_target(t_path: Path, out: Path, seed: int) -> Path:
+    """`t_path`'s text model inside a multimodal Gemma4ForConditionalGeneration (`model_type` gemma4, as Gemma 4
+    targets are published), with a small random vision tower, saved to `out`."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4VisionConfig
+
+    torch.manual_seed(seed)
+    text = Gemma4ForCausalLM.from_pretrained(t_path).eval()
+    vision = Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=2, head_dim=16)
+    cfg = Gemma4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict(), audio_config=None)
+    wrapped = Gemma4ForConditionalGeneration(cfg).eval()
+    wrapped.model.language_model.load_state_dict(text.model.state_dict())
+    wrapped.save_pretrained(out)
+    return out

@@ -1,4 +1,4 @@
-"""Gemma 4 configs written by transformers 5: per-layer settings mapped onto mlx-lm's fields.
+"""Gemma 4 configs: transformers 5's per-layer settings mapped onto mlx-lm's fields; the multimodal wrapper.
 
 transformers 5.2x writes the full-attention layers' head size (and K/V head
 count) of a Gemma 4 text config as `per_layer_config` entries ({"5":
@@ -9,6 +9,14 @@ matching default, load silently wrong). `map_per_layer_config` fills the
 two fields, and refuses in one line an entry mlx-lm cannot express (a
 per-layer setting of a sliding layer that differs from the global one, two
 full layers that differ, a key it does not know).
+
+Gemma 4 targets as published are multimodal (`model_type` `gemma4`,
+`Gemma4ForConditionalGeneration`: a vision / audio tower and a
+`language_model`). Text decoding runs the language model alone, so
+`wrapper_config` / `text_only` build mlx-lm's wrapper (whose sanitize drops
+the towers and renames the language model's weights), load it, and hand on
+its `gemma4_text` model with a text config: from there a wrapped target is
+the same runtime as a `gemma4_text` one, drafter included.
 """
 
 from __future__ import annotations
@@ -59,6 +67,51 @@ def _map_scope(scope: dict, where: str) -> None:
         scope[own] = v
 
 
+#: The multimodal wrapper's model_type (its language model is a `gemma4_text`).
+WRAPPER_TYPE = "gemma4"
+
+
+def is_wrapper(config: dict) -> bool:
+    return config.get("model_type") == WRAPPER_TYPE
+
+
+def wrapper_config(config: dict, where: str = "config") -> dict:
+    """A `gemma4` wrapper config with the top-level `vocab_size` mlx-lm's wrapper reads.
+
+    transformers keeps the vocabulary size in `text_config` only; mlx-lm's
+    wrapper copies its own top-level field (default 262144, the released
+    models') over it, which would build a wrong-sized table for any other
+    vocabulary. Raises CheckpointError for a wrapper without a text config.
+    """
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{where}: a gemma4 config needs text_config (an object)")
+    if "vocab_size" not in config and "vocab_size" in text:
+        config = {**config, "vocab_size": text["vocab_size"]}
+    return config
+
+
+def _strip_prefix(quantization: Any) -> Any:
+    if not isinstance(quantization, dict):
+        return quantization
+    out = {}
+    for k, v in quantization.items():
+        out[k.removeprefix("language_model.") if isinstance(v, dict) else k] = v
+    return out
+
+
+def text_only(trunk: Any, config: dict) -> tuple[Any, dict]:
+    """(the wrapper's `gemma4_text` model, its config as a `gemma4_text` config), weights loaded.
+
+    The config keeps the wrapper's `quantization` with per-layer entries
+    renamed to the language model's paths.
+    """
+    text = {**trunk.args.text_config, "model_type": "gemma4_text"}
+    if "quantization" in config:
+        text["quantization"] = _strip_prefix(config["quantization"])
+    return trunk.language_model, text
+
+
 def map_per_layer_config(config: dict, where: str = "config") -> dict:
     """`config` (changed in place, and returned) with Gemma 4 `per_layer_config` mapped.
 
@@ -73,4 +126,4 @@ def map_per_layer_config(config: dict, where: str = "config") -> dict:
     return config
 
 
-__all__ = ["GEMMA4_TYPES", "map_per_layer_config"]
+__all__ = ["GEMMA4_TYPES", "WRAPPER_TYPE", "is_wrapper", "map_per_layer_config", "text_only", "wrapper_config"]

@@ -25,6 +25,7 @@ from mlx.utils import tree_flatten
 
 from mtplx_ext import models
 from mtplx_ext.checkpoints import quantize as quant
+from mtplx_ext.checkpoints import gemma4
 from mtplx_ext.checkpoints.gemma4 import map_per_layer_config
 from mtplx_ext.checkpoints.rope import map_rope_parameters
 from mtplx_ext._checks import CheckpointError
@@ -74,6 +75,8 @@ def check_config(config: dict, where: str = "config") -> None:
     Raises:
         CheckpointError: naming `where` and the field.
     """
+    if gemma4.is_wrapper(config):
+        gemma4.wrapper_config(config, where)  # the text config is where the fields are
     text = trunk_lib.text_config(config)
     for name in _REQUIRED_INTS + _OPTIONAL_INTS:
         if name not in text:
@@ -335,6 +338,9 @@ def build_runtime(
         # `weight_scale_inv` pairs, as mlx-lm's load does; the runtime is float.
         config = {k: v for k, v in config.items() if k != "quantization_config"}
     quantization = config.get("quantization")
+    wrapped = gemma4.is_wrapper(config)  # multimodal Gemma 4: decode runs its language model
+    if wrapped:
+        config = gemma4.wrapper_config(config, where)
     arch = trunk_lib.trunk_module(config["model_type"])
     try:
         trunk = arch.Model(arch.ModelArgs.from_dict(config))
@@ -361,6 +367,8 @@ def build_runtime(
         if quantization is not None:
             quant.quantize_for_load(trunk, quantization, weights)
         load_strict(trunk, weights, "trunk weights", lambda k: k)
+    if wrapped:
+        trunk, config = gemma4.text_only(trunk, config)
     config = {**config, "mtp_head_layout": layout if head is not None else None}
     if head is not None:
         config["mtp_hidden_source"] = head.args.hidden_source
