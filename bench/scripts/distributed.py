@@ -7,8 +7,9 @@ a time: the model in one process, then split over `--ranks` processes
 prints them side by side. Each run, on every rank:
 
 * tokens/s of greedy decoding (compiled steps) at each batch size, plain and
-  MTP at each depth, interleaved per repeat, medians; the prompts are the
-  bench's own openings;
+  MTP at each depth, interleaved per repeat, medians; the prompts are cut
+  from the held-out stdlib files (`benchmark.heldout_prompts`, the same on
+  every rank), or the bench's own openings with `--prompts 0`;
 * collective rounds per cycle and per generated token: one eager decode
   with `mx.distributed`'s collectives counted as the graph is built (a
   batch's rows share a round);
@@ -22,7 +23,7 @@ of the memory-bound model costs compute / M + rounds * latency, from the
 measured one-process step and the measured rounds.
 
 Run: python bench/scripts/distributed.py --model GROWN [--parallel tensor] [--batch 1,8] [--depth 0,1,2,3]
-     [--tokens 24] [--repeats 2] [--json out.json]
+     [--tokens 24] [--repeats 2] [--prompts 8] [--prompt-tokens 48] [--json out.json]
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtplx_ext import generate_greedy_batched
-from mtplx_ext.benchmark import encode_prompts
+from mtplx_ext import _blas, generate_greedy_batched
+from mtplx_ext.benchmark import encode_prompts, heldout_prompts
 from mtplx_ext.checkpoints import load, sharded
 from mtplx_ext.shipped import BENCH_PROMPTS
 
@@ -91,6 +92,14 @@ def _latency_ms(group, hidden: int) -> float:
 
 def measure(args) -> dict:
     group = mx.distributed.init()
+    # Ranks that share one machine's cores: a second GEMM thread per rank
+    # would only oversubscribe them (each rank is one core's worth of work).
+    split = args.gemm_split == "on" or (
+        args.gemm_split == "auto" and 2 * group.size() <= (os.cpu_count() or 1))
+    if not split:
+        _blas.set_gemm_split_bytes(None)
+        if group.size() <= (os.cpu_count() or 1) and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {group.rank()})  # one core per rank, as one rank per machine
     t = time.perf_counter()
     if group.size() > 1:
         rt = sharded.load(args.model, group=group, parallel=args.parallel)
@@ -99,7 +108,10 @@ def measure(args) -> dict:
     load_s = time.perf_counter() - t
     mem = {"after_load_mlx_peak_mb": mx.get_peak_memory() / 2**20, "after_load_rss_mb": _rss_mb(),
            "after_load_mlx_active_mb": mx.get_active_memory() / 2**20}
-    prompts_all = encode_prompts(rt.tokenizer, list(BENCH_PROMPTS))
+    if args.prompts > 0:
+        prompts_all = heldout_prompts(rt.tokenizer, args.prompts, args.prompt_tokens, seed=args.seed)
+    else:
+        prompts_all = encode_prompts(rt.tokenizer, list(BENCH_PROMPTS))
     runs: dict[str, list[float]] = {}
     accept: dict[str, float] = {}
     cycle_s: dict[str, float] = {}
@@ -120,7 +132,7 @@ def measure(args) -> dict:
     rounds = [_count_rounds(rt, [prompts_all[0]] * b, d) for b in args.batch for d in args.depth] if group.size() > 1 else []
     hidden = int(rt.config.get("hidden_size", 0))
     out = {
-        "ranks": group.size(), "rank": group.rank(), "parallel": args.parallel if group.size() > 1 else "none",
+        "ranks": group.size(), "rank": group.rank(), "gemm_split": split, "parallel": args.parallel if group.size() > 1 else "none",
         "load_s": load_s, "tokens_per_s": {k: statistics.median(v) for k, v in runs.items()},
         "tokens_per_s_all": runs, "mean_accepted_length": accept,
         "cycle_ms": {k: statistics.median(v) * 1e3 for k, v in cycle_s.items()},
@@ -187,6 +199,11 @@ def main() -> int:
     ap.add_argument("--depth", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts (0: the bench's own openings)")
+    ap.add_argument("--prompt-tokens", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gemm-split", choices=("auto", "on", "off"), default="auto",
+                    help="the decode GEMM's second thread per rank (auto: on while ranks x 2 <= cores)")
     ap.add_argument("--link-us", type=lambda s: [float(x) for x in s.split(",")], default=[10.0, 50.0, 200.0])
     ap.add_argument("--json")
     ap.add_argument("--out", help=argparse.SUPPRESS)
