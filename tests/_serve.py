@@ -9,24 +9,18 @@ real `Request` / `Detokenizer` / `Event` path, and records each prompt.
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
+from _live_server import free_port
 
-import mtplx_ext
 from mtplx_ext.batching import Event, Request
 from mtplx_ext.serve import API, create_app, load_chat_tokenizer
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
-PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parents[1])
 #: The API key of the shared live server (`tests/serve/conftest.py`): a bearer token or x-api-key.
 KEY = "k-" + os.urandom(4).hex()
 
@@ -58,41 +52,6 @@ def tool_model_folder(tmp: Path) -> Path:
     cfg["chat_template"] = TOOL_TEMPLATE
     (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
     return tmp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_cli(*flags: str) -> tuple[subprocess.Popen, str]:
-    """`mtplx-ext serve` on a free port of 127.0.0.1; (process, base URL) once /health answers."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "mtplx_ext.cli", "serve", "--port", str(port), *flags],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read().decode()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up in 60 s")
-
-
-def stop_cli(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 class ScriptedEngine:

@@ -14,8 +14,8 @@ noisy neighbour hits them alike; medians of the repeats:
 Besides the wall-time medians it prints each setting's least process CPU
 time per pass: on a machine shared with other work, the kernel's own cost.
 
-The same run measures this machine's read bandwidth (a one-thread NumPy sum
-over 1 GiB, before and after the passes) and prints the weight-streaming
+The same run measures this machine's read bandwidth (`benchmark.read_bandwidth`: NumPy max
+reductions over 1 GiB on every core at once, before and after the passes) and prints the weight-streaming
 floor (weight bytes / bandwidth) beside the passes.
 
 With --split: single products [M, K] x [N, K] over a range of weight sizes,

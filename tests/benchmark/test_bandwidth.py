@@ -16,7 +16,14 @@ def test_read_bandwidth_is_a_plausible_rate():
     assert math.isfinite(bw) and 1e8 < bw < 1e13
 
 
-@pytest.mark.parametrize("kw, message", [(dict(nbytes=4), "nbytes"), (dict(nbytes=64, repeats=0), "repeats")])
+def test_one_and_two_reading_threads_give_plausible_rates():
+    for threads in (1, 2):
+        bw = bandwidth.read_bandwidth(nbytes=32 * 2**20, repeats=3, threads=threads)
+        assert math.isfinite(bw) and 1e8 < bw < 1e13
+
+
+@pytest.mark.parametrize("kw, message", [(dict(nbytes=2), "nbytes"), (dict(nbytes=64, repeats=0), "repeats"),
+                                         (dict(nbytes=64, threads=0), "threads")])
 def test_read_bandwidth_rejects_bad_arguments(kw, message):
     with pytest.raises(ValueError, match=message):
         bandwidth.read_bandwidth(**kw)

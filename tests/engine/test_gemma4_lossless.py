@@ -123,3 +123,28 @@ def test_the_sampled_test_rejects_verification_against_another_q_than_the_drafts
     monkeypatch.setattr(policies.SampledPolicy, "draft", uniform_q)
     _, p = _first_three(small_pair, rng)
     assert p < ALPHA_BROKEN
+
+
+def test_a_pair_loaded_in_one_thread_decodes_in_another(tmp_path, refs):
+    """The serving engine runs on its own thread: every array the pair holds (mlx-lm keeps Gemma 4's full-layer
+    RoPE table outside its parameters) must be evaluated at load, or that thread fails on the loader's stream."""
+    import threading
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    t, a = make_pair(tmp_path, seed, repeat=0.25)
+    rt = mtplx_ext.load(t, drafter=a)  # loaded here, decoded on the thread below
+    prompt = refs[0][0]
+    out: dict = {}
+
+    def run() -> None:
+        eng = Engine(rt, max_batch=2, depth=2)
+        r = eng.submit(prompt, max_tokens=N_NEW)
+        eng.run_until_idle()
+        out["tokens"], out["error"] = r.tokens, r.error
+
+    th = threading.Thread(target=run)
+    th.start()
+    th.join(120)
+    assert out.get("error") is None and len(out.get("tokens", [])) == N_NEW, out
+    want, gaps = reference(rt, prompt, N_NEW)
+    assert out["tokens"] == want or min(gaps) < 1e-3

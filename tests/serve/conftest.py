@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from _serve import KEY, start_cli, stop_cli
+from _live_server import start, stop
+from _serve import KEY
 
 
 @pytest.fixture(scope="session")
 def live_server():
     """(base URL, API key) of the shared server; it must exit with status 0 at the end."""
-    proc, base = start_cli("--api-key", KEY, "--max-batch", "4", "--depth", "2")
+    proc, base = start("--api-key", KEY, "--max-batch", "4", "--depth", "2")
     yield base, KEY
-    assert stop_cli(proc) == 0
+    assert stop(proc) == 0

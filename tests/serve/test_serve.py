@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+from _live_server import start, stop
 import numpy as np
 import pytest
 
@@ -25,50 +22,11 @@ from mtplx_ext.shipped import eos_ids  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 KEY = "test-key-" + os.urandom(4).hex()
-PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parents[1])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*flags: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mtplx_ext.cli", "serve", "--port", str(port), *flags],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read().decode()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up in 60 s")
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server():
-    proc, base = _start("--api-key", KEY, "--max-batch", "8", "--depth", "2")
+    proc, base = start("--api-key", KEY, "--max-batch", "8", "--depth", "2")
     yield base
-    assert _stop(proc) == 0
+    assert stop(proc) == 0
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +162,13 @@ def test_a_client_that_drops_mid_stream_frees_its_row(server):
 
 def test_a_server_started_and_stopped_many_times_exits_cleanly():
     for i in range(3):
-        proc, base = _start("--max-batch", "4")
+        proc, base = start("--max-batch", "4")
         if i % 2:  # sometimes with a request in flight
             with cf.ThreadPoolExecutor(1) as pool:
                 fut = pool.submit(httpx.post, base + "/v1/completions",
                                   json={"prompt": "import os", "max_tokens": 200, "temperature": 0}, timeout=60)
                 time.sleep(0.3)
-                code = _stop(proc)
+                code = stop(proc)
                 try:
                     fut.result()
                 except httpx.HTTPError:
@@ -218,7 +176,7 @@ def test_a_server_started_and_stopped_many_times_exits_cleanly():
         else:
             assert httpx.post(base + "/v1/completions", json={"prompt": "import os", "max_tokens": 4},
                               timeout=60).status_code == 200
-            code = _stop(proc)
+            code = stop(proc)
         out = proc.stdout.read().decode()
         assert code == 0, out
         assert "Traceback" not in out and "Abort" not in out, out
@@ -235,7 +193,7 @@ def test_a_hybrid_model_folder_is_served_equal_to_the_offline_engine():
     jobs = [dict(prompt=s * int(rng.integers(1, 3)), max_tokens=int(rng.integers(4, 24)),
                  temperature=0.0 if i % 2 == 0 else 0.8, seed=int(rng.integers(0, 2**31)), stream=i % 3 == 0)
             for i, s in enumerate(snippets)]
-    proc, base = _start("--model", str(HYBRID), "--max-batch", "4", "--depth", "2")
+    proc, base = start("--model", str(HYBRID), "--max-batch", "4", "--depth", "2")
     try:
         client = _client(base)
 
@@ -250,7 +208,7 @@ def test_a_hybrid_model_folder_is_served_equal_to_the_offline_engine():
             texts = list(pool.map(run, jobs))
         m = httpx.get(base + "/metrics").json()
     finally:
-        code = _stop(proc)
+        code = stop(proc)
     assert code == 0
     assert m["failed"] == 0 and m["live_streams"] == 0 and m["kv_slots"] == 0 and m["cycles"] > 0
     rt = mtplx_ext.load(HYBRID)

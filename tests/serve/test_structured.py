@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from _server import start, stop  # noqa: E402
+from _live_server import start, stop  # noqa: E402
 
 from mtplx_ext.serve.structured import TOOL_CALL_END, TOOL_CALL_START, forced_call_schema  # noqa: E402
 

@@ -33,6 +33,7 @@ from mtplx_ext._checks import CheckpointError
 from mtplx_ext.checkpoints import loading
 from mtplx_ext.checkpoints import quantize as quant
 from mtplx_ext.models import gemma4_trunk
+from mtplx_ext.models.base import materialize
 from mtplx_ext.models.gemma4_assistant import LAYOUT, AssistantArgs, Gemma4Assistant
 from mtplx_ext.models.runtime import MTPRuntime
 
@@ -123,7 +124,7 @@ def build_assistant(
             q = quant.check_config_quantization(config, where)
             quant.quantize_for_load(assistant, q, weights)
         loading.load_strict(assistant, weights, f"drafter weights ({where})", lambda k: k)
-    mx.eval(assistant.parameters())
+    materialize(assistant)
     return assistant
 
 

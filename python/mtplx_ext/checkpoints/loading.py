@@ -30,7 +30,7 @@ from mtplx_ext.checkpoints.gemma4 import map_per_layer_config
 from mtplx_ext.checkpoints.rope import map_rope_parameters
 from mtplx_ext._checks import CheckpointError
 from mtplx_ext.models import trunk as trunk_lib
-from mtplx_ext.models.base import take_prefixed
+from mtplx_ext.models.base import materialize, take_prefixed
 from mtplx_ext.models.runtime import MTPRuntime
 
 
@@ -375,7 +375,7 @@ def build_runtime(
     runtime = MTPRuntime(trunk, head, config, tokenizer, more_modules=mods[1:])
     if prepare is not None:
         prepare(runtime)
-    mx.eval(runtime.parameters())
+    materialize(runtime)
     return runtime
 
 

@@ -19,6 +19,7 @@ from mtplx_ext._checks import SEED_LIMIT, as_int
 from mtplx_ext.checkpoints import quantize as quant
 from mtplx_ext.checkpoints.loading import FAMILY_LAYOUT, build_runtime
 from mtplx_ext.models import trunk as trunk_lib
+from mtplx_ext.models.base import materialize
 from mtplx_ext.models.runtime import MTPRuntime
 
 
@@ -179,7 +180,7 @@ def init_random(
     # RMS-normed hidden states, so random greedy decoding does not collapse.
     hidden = int(trunk_lib.text_config(config)["hidden_size"])
     _spread_init(runtime, std=1.0 / math.sqrt(max(1, hidden // 16)))
-    mx.eval(runtime.parameters())
+    materialize(runtime)
     if quantize is not None:
         quant.quantize_runtime(runtime, **quantize)
     if fuse_cpu_ops:

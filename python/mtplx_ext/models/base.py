@@ -157,6 +157,39 @@ class ZeroCentredRMSNorm(nn.Module):
         return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
 
 
+def held_arrays(obj: Any) -> list[mx.array]:
+    """Every array a module tree holds: its parameters and the arrays in private attributes.
+
+    mlx-lm keeps some constants outside `parameters()` (Gemma 4's proportional
+    RoPE frequency table `_freqs`, built lazily in the constructor). A lazy
+    array carries the stream of the thread that made it, and evaluating it
+    from another thread (the serving engine's) fails with "There is no
+    Stream(cpu, 0) in current thread".
+    """
+    out: list[mx.array] = []
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, mx.array):
+            out.append(o)
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+            if isinstance(o, nn.Module):
+                stack.extend(v for k, v in vars(o).items() if k.startswith("_"))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return out
+
+
+def materialize(*modules: Any) -> None:
+    """Evaluates every array the modules hold (`held_arrays`), so any thread may use them."""
+    mx.eval([held_arrays(m) for m in modules])
+
+
 def take_prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
     """Removes and returns the entries of `weights` whose key starts with prefix."""
     keys = [k for k in weights if k.startswith(prefix)]
