@@ -111,6 +111,25 @@ def split_sweep(rows: list[int], repeats: int) -> None:
     _blas.set_gemm_split_bytes(prev)
 
 
+def compute_rate(repeats: int = 5, n: int = 1536) -> float:
+    """FLOP/s of one core on a large float32 product (OpenBLAS's sgemm, one thread: [n, n] x [n, n]).
+
+    A well-tuned compute-bound GEMM's rate on this core, the roof a decode
+    product of many rows approaches: M rows over W of P parameters take at
+    least 2 M P / (cores x rate) seconds, whatever the kernel.
+    """
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a, b)
+    mx.eval(a @ b.T)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mx.eval(a @ b.T)
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(ts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="model folder (float32), e.g. one made by mtplx-ext grow")
@@ -137,6 +156,11 @@ def main() -> None:
     bw1 = read_bandwidth()
     bw = statistics.median([bw0, bw1])
     floor = streaming_floor_s(nbytes, bw)
+    rate = compute_rate()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    print(f"compute roof: OpenBLAS sgemm {rate / 1e9:.0f} GFLOP/s on one core; [M, h] products over these weights "
+          f"need at least " + ", ".join(f"M={m}: {2 * m * nbytes / 4 / (cores * rate) * 1e3:.1f} ms" for m in rows) +
+          f" on {cores} cores")
     print(f"{len(weights)} weights, {nbytes / 1e9:.3f} GB; read bandwidth {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s "
           f"(before / after); streaming floor {floor * 1e3:.1f} ms; medians of {args.repeats} interleaved passes; "
           f"load average after {os.getloadavg()}")
@@ -163,7 +187,7 @@ def main() -> None:
                                                                       (("rows", args.rows), ("repeats", args.repeats))),
             "model": str(args.model.name), "weights": len(weights), "weight_bytes": nbytes,
             "blas": _blas.describe(), "mlx": mx.__version__, "cpu": platform.processor() or platform.machine(),
-            "read_bandwidth": [bw0, bw1], "floor_s": floor, "split_bytes": split_bytes,
+            "read_bandwidth": [bw0, bw1], "floor_s": floor, "sgemm_flops_one_core": rate, "cores": cores, "split_bytes": split_bytes,
             "median_pass_s": {f"{s}|{m}": med[s, m] for s in SETTINGS for m in rows},
             "least_cpu_s": {f"{s}|{m}": cpu[s, m] for s in SETTINGS for m in rows},
             "load_average_after": os.getloadavg(),

@@ -22,7 +22,7 @@ Then a paper model for M ranks over a link of latency `--link-us`: a step
 of the memory-bound model costs compute / M + rounds * latency, from the
 measured one-process step and the measured rounds.
 
-Run: python bench/scripts/distributed.py --model GROWN [--parallel tensor] [--batch 1,8] [--depth 0,1,2,3]
+Run: python bench/scripts/distributed.py --model GROWN [--parallel tensor] [--head replicate|shard] [--batch 1,8] [--depth 0,1,2,3]
      [--tokens 24] [--repeats 2] [--prompts 8] [--prompt-tokens 48] [--json out.json]
 """
 
@@ -102,7 +102,7 @@ def measure(args) -> dict:
             os.sched_setaffinity(0, {group.rank()})  # one core per rank, as one rank per machine
     t = time.perf_counter()
     if group.size() > 1:
-        rt = sharded.load(args.model, group=group, parallel=args.parallel)
+        rt = sharded.load(args.model, group=group, parallel=args.parallel, head=args.head)
     else:
         rt = load(args.model)
     load_s = time.perf_counter() - t
@@ -132,7 +132,7 @@ def measure(args) -> dict:
     rounds = [_count_rounds(rt, [prompts_all[0]] * b, d) for b in args.batch for d in args.depth] if group.size() > 1 else []
     hidden = int(rt.config.get("hidden_size", 0))
     out = {
-        "ranks": group.size(), "rank": group.rank(), "gemm_split": split, "parallel": args.parallel if group.size() > 1 else "none",
+        "ranks": group.size(), "rank": group.rank(), "gemm_split": split, "parallel": args.parallel if group.size() > 1 else "none", "head": args.head,
         "load_s": load_s, "tokens_per_s": {k: statistics.median(v) for k, v in runs.items()},
         "tokens_per_s_all": runs, "mean_accepted_length": accept,
         "cycle_ms": {k: statistics.median(v) * 1e3 for k, v in cycle_s.items()},
@@ -195,6 +195,7 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--parallel", choices=sharded.PARALLEL_MODES, default="tensor")
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--head", choices=sharded.HEAD_MODES, default="replicate", help="the MTP head on the ranks")
     ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--depth", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
     ap.add_argument("--tokens", type=int, default=24)
