@@ -114,9 +114,10 @@ def split_sweep(rows: list[int], repeats: int) -> None:
 def compute_rate(repeats: int = 5, n: int = 1536) -> float:
     """FLOP/s of one core on a large float32 product (OpenBLAS's sgemm, one thread: [n, n] x [n, n]).
 
-    A well-tuned compute-bound GEMM's rate on this core, the roof a decode
-    product of many rows approaches: M rows over W of P parameters take at
-    least 2 M P / (cores x rate) seconds, whatever the kernel.
+    The rate of a tuned compute-bound GEMM, as OpenBLAS builds it for this
+    CPU (its kernel may use narrower vectors than the CPU has: the FMA peak
+    itself is `bench/scripts/fma_peak.py`'s); M rows over P parameters at
+    this rate take 2 M P / (cores x rate) seconds.
     """
     a = mx.random.normal((n, n))
     b = mx.random.normal((n, n))
@@ -158,8 +159,8 @@ def main() -> None:
     floor = streaming_floor_s(nbytes, bw)
     rate = compute_rate()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    print(f"compute roof: OpenBLAS sgemm {rate / 1e9:.0f} GFLOP/s on one core; [M, h] products over these weights "
-          f"need at least " + ", ".join(f"M={m}: {2 * m * nbytes / 4 / (cores * rate) * 1e3:.1f} ms" for m in rows) +
+    print(f"OpenBLAS sgemm: {rate / 1e9:.0f} GFLOP/s on one core; at that rate on every core [M, h] products over "
+          f"these weights take " + ", ".join(f"M={m}: {2 * m * nbytes / 4 / (cores * rate) * 1e3:.1f} ms" for m in rows) +
           f" on {cores} cores")
     print(f"{len(weights)} weights, {nbytes / 1e9:.3f} GB; read bandwidth {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s "
           f"(before / after); streaming floor {floor * 1e3:.1f} ms; medians of {args.repeats} interleaved passes; "
