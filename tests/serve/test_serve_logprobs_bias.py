@@ -20,16 +20,17 @@ openai = pytest.importorskip("openai")
 import mtplx_ext  # noqa: E402
 from mtplx_ext.serve import load_chat_tokenizer, params  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
-from test_serve import KEY, _client, _start, _stop  # noqa: E402
+from _live_server import start, stop  # noqa: E402
+from test_serve import KEY, _client  # noqa: E402
 
 MODEL = "tiny-qwen3-mtp"
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = _start("--api-key", KEY, "--max-batch", "4", "--depth", "2")
+    proc, base = start("--api-key", KEY, "--max-batch", "4", "--depth", "2")
     yield base
-    assert _stop(proc) == 0
+    assert stop(proc) == 0
 
 
 @pytest.fixture(scope="module")
