@@ -118,6 +118,10 @@ def test_two_ranks_commit_one_process_tokens(run, name):
         assert o["size"] == 2
         got = o["jobs"][name]
         assert got["param_bytes"] < whole[name], f"rank {o['rank']} holds the whole model: not split"
+        # Loading reads each full tensor to cut its slice: only one at a time may be alive, so a rank's
+        # peak stays below the whole model (all of them at once peak at the whole model plus the share).
+        assert got["load_peak_bytes"] < whole[name], (
+            f"rank {o['rank']}: loading peaked at {got['load_peak_bytes']} bytes, the whole model is {whole[name]}")
         for c, g, exp in zip(cases, got["result"], want[name]):
             what = f"rank {o['rank']}, depth {c['depth']}, batch {len(c['prompts'])}, {'sampled' if c.get('sampler') else 'greedy'}"
             assert g["tokens"] == exp, what

@@ -30,7 +30,7 @@ from mtplx_ext.checkpoints.gemma4 import map_per_layer_config
 from mtplx_ext.checkpoints.rope import map_rope_parameters
 from mtplx_ext._checks import CheckpointError
 from mtplx_ext.models import trunk as trunk_lib
-from mtplx_ext.models.base import materialize, take_prefixed
+from mtplx_ext.models.base import held_arrays, materialize, take_prefixed
 from mtplx_ext.models.runtime import MTPRuntime
 
 
@@ -301,6 +301,7 @@ def build_runtime(
     *,
     where: str = "config",
     prepare: Callable[[MTPRuntime], None] | None = None,
+    consume: bool = False,
 ) -> MTPRuntime:
     """Builds the trunk and head a config describes, optionally loading weights.
 
@@ -316,6 +317,12 @@ def build_runtime(
         prepare: called on the runtime before its parameters are evaluated
             (lazily loaded weights are read only then): `sharded.load`
             splits the model there, so a rank reads only its part.
+        consume: the caller hands `weights` over: the dict is emptied once
+            the modules hold the tensors, and with `prepare` the arrays are
+            then evaluated one at a time. A lazily loaded tensor that
+            `prepare` slices is read whole, so this keeps one full tensor
+            alive at a time instead of all of them (a rank's peak memory
+            near its share rather than the whole model).
 
     Returns:
         The runtime, parameters evaluated.
@@ -358,6 +365,7 @@ def build_runtime(
         for i in range(1, _mtp_module_count(weights, mod, config, where)):
             mods.append(mod.Model(args, trunk, module=i, first=mods[0]))
     head = mods[0] if mods else None
+    handed = weights
     if weights is not None:
         weights = dict(weights)
         if mods:
@@ -367,6 +375,9 @@ def build_runtime(
         if quantization is not None:
             quant.quantize_for_load(trunk, quantization, weights)
         load_strict(trunk, weights, "trunk weights", lambda k: k)
+        if consume:
+            handed.clear()
+            weights.clear()
     if wrapped:
         trunk, config = gemma4.text_only(trunk, config)
     config = {**config, "mtp_head_layout": layout if head is not None else None}
@@ -375,6 +386,9 @@ def build_runtime(
     runtime = MTPRuntime(trunk, head, config, tokenizer, more_modules=mods[1:])
     if prepare is not None:
         prepare(runtime)
+    if consume and prepare is not None:
+        for a in held_arrays(runtime):  # each full tensor is freed once its slice is read
+            mx.eval(a)
     materialize(runtime)
     return runtime
 

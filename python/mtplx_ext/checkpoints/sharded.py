@@ -133,7 +133,7 @@ def load(
     tokenizer = loading.read_tokenizer(path)
     runtime = loading.build_runtime(
         config, weights, tokenizer, where=where,
-        prepare=lambda rt: shard_runtime(rt, group, parallel, head, where),
+        prepare=lambda rt: shard_runtime(rt, group, parallel, head, where), consume=True,
     )
     mx.clear_cache()  # the full tensors the slices were cut from
     if fuse_cpu_ops:
