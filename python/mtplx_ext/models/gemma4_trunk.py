@@ -73,6 +73,16 @@ def hidden(trunk: nn.Module, tokens: mx.array, cache: list | None, embeds: mx.ar
     Returns:
         [B, T, H] hidden states before `model.norm`.
     """
+    return hidden_and_kv(trunk, tokens, cache, embeds)[0]
+
+
+def hidden_and_kv(
+    trunk: nn.Module, tokens: mx.array, cache: list | None, embeds: mx.array
+) -> tuple[mx.array, list[tuple[Any, Any]]]:
+    """`hidden`, plus each layer's (K/V, RoPE offset) as the layer returned them (shared layers: their source's).
+
+    Training an assistant reads the source layers' K/V of a whole window from here.
+    """
     inner = trunk.model
     layers = inner.layers
     h = embeds * inner.embed_scale
@@ -89,7 +99,7 @@ def hidden(trunk: nn.Module, tokens: mx.array, cache: list | None, embeds: mx.ar
         kvs, offset = inter[src]
         h, kvs, offset = layer(h, mask, c, per_layer_input=pl, shared_kv=kvs, offset=offset)
         inter[i] = (kvs, offset)
-    return h
+    return h, inter
 
 
 def softcap(trunk: nn.Module, logits: mx.array) -> mx.array:
@@ -105,4 +115,4 @@ def scaled_embed(trunk: nn.Module, embeds: mx.array) -> mx.array:
     return embeds * mx.array(trunk.model.embed_scale, dtype=embeds.dtype)
 
 
-__all__ = ["FAMILIES", "hidden", "is_gemma4", "kv_layer_count", "kv_shape", "kv_sources", "scaled_embed", "softcap"]
+__all__ = ["FAMILIES", "hidden", "hidden_and_kv", "is_gemma4", "kv_layer_count", "kv_shape", "kv_sources", "scaled_embed", "softcap"]

@@ -219,14 +219,7 @@ def target_states(trunk: nn.Module, tokens: mx.array) -> TargetStates:
     inner = trunk.model
     if inner.hidden_size_per_layer_input:
         raise ValueError("targets with per-layer inputs are not supported here")
-    layers = inner.layers
-    h = gemma4_trunk.scaled_embed(trunk, inner.embed_tokens(tokens))
-    masks = inner._make_masks(h, [None] * len(layers))
-    inter: list[tuple[Any, Any]] = [(None, None)] * len(layers)
-    for i, (layer, mask, src) in enumerate(zip(layers, masks, inner.previous_kvs)):
-        kvs, offset = inter[src]
-        h, kvs, offset = layer(h, mask, None, shared_kv=kvs, offset=offset)
-        inter[i] = (kvs, offset)
+    h, inter = gemma4_trunk.hidden_and_kv(trunk, tokens, None, inner.embed_tokens(tokens))
     normed = inner.norm(h)
     logits = gemma4_trunk.softcap(trunk, inner.embed_tokens.as_linear(normed))
     kv = {kind: inter[i][0] for kind, i in gemma4_trunk.kv_sources(trunk).items()}
