@@ -199,6 +199,14 @@ def _slots(c: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     return c.keys[..., :S, :], c.values[..., :S, :], mx.full(pads.shape, S, mx.int32), pads
 
 
+def visible_keys(slots: mx.array, ends: mx.array, kind: str, window: int) -> mx.array:
+    """Which key slots a draft query sees: those before `ends` (the query's own slot is not
+    stored yet), and for sliding layers only the last `window + 1` of them, as transformers'
+    flipped bidirectional window mask does (|q - kv| <= window, q one past the last key)."""
+    m = slots < ends
+    return m & (slots >= ends - (window + 1)) if kind == "sliding_attention" else m
+
+
 def frozen_kv(trunk: nn.Module, cache: list, types: list[str], window: int) -> FrozenKV:
     """The target's K/V an assistant attends over, from the trunk's caches after a commit.
 
@@ -212,13 +220,11 @@ def frozen_kv(trunk: nn.Module, cache: list, types: list[str], window: int) -> F
     for kind in dict.fromkeys(types):
         keys, values, ends, pads = _slots(cache[sources[kind]])
         s = mx.arange(keys.shape[2], dtype=mx.int32)[None]
-        m = (s >= pads[:, None]) & (s < ends[:, None])
-        if kind == "sliding_attention":
-            m = m & (s >= ends[:, None] - (window + 1))
+        m = (s >= pads[:, None]) & visible_keys(s, ends[:, None], kind, window)
         kv[kind] = (keys, values)
         masks[kind] = m[:, None, None, :]
         offset = (ends - pads).astype(mx.int32)
     return FrozenKV(kv, masks, offset)
 
 
-__all__ = ["AssistantArgs", "FrozenKV", "Gemma4Assistant", "LAYOUT", "MaskedEmbedding", "frozen_kv"]
+__all__ = ["AssistantArgs", "FrozenKV", "Gemma4Assistant", "LAYOUT", "MaskedEmbedding", "frozen_kv", "visible_keys"]

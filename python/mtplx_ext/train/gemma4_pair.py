@@ -34,7 +34,7 @@ from mlx_lm.models import gemma4_text
 from mtplx_ext.checkpoints import assistant as assistant_ckpt
 from mtplx_ext.checkpoints import build_runtime
 from mtplx_ext.models import gemma4_trunk
-from mtplx_ext.models.gemma4_assistant import LAYOUT, FrozenKV, Gemma4Assistant
+from mtplx_ext.models.gemma4_assistant import LAYOUT, FrozenKV, Gemma4Assistant, visible_keys
 from mtplx_ext.models.runtime import MTPRuntime
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -231,11 +231,7 @@ def window_masks(T: int, kinds: list[str], window: int) -> dict[str, mx.array]:
     sliding layers only s >= p - (window + 1), as `gemma4_assistant.frozen_kv` masks a draft step."""
     s = mx.arange(T)[None]
     p = mx.arange(1, T)[:, None]
-    out = {}
-    for kind in dict.fromkeys(kinds):
-        m = s < p
-        out[kind] = m & (s >= p - (window + 1)) if kind == SLIDING else m
-    return out
+    return {kind: visible_keys(s, p, kind, window) for kind in dict.fromkeys(kinds)}
 
 
 def frozen_window(states: TargetStates, kinds: list[str], window: int) -> FrozenKV:
