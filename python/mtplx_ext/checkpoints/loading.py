@@ -30,7 +30,7 @@ from mtplx_ext.checkpoints.gemma4 import map_per_layer_config
 from mtplx_ext.checkpoints.rope import map_rope_parameters
 from mtplx_ext._checks import CheckpointError
 from mtplx_ext.models import trunk as trunk_lib
-from mtplx_ext.models.base import held_arrays, materialize, take_prefixed
+from mtplx_ext.models.base import materialize, take_prefixed
 from mtplx_ext.models.runtime import MTPRuntime
 
 
@@ -386,10 +386,8 @@ def build_runtime(
     runtime = MTPRuntime(trunk, head, config, tokenizer, more_modules=mods[1:])
     if prepare is not None:
         prepare(runtime)
-    if consume and prepare is not None:
-        for a in held_arrays(runtime):  # each full tensor is freed once its slice is read
-            mx.eval(a)
-    materialize(runtime)
+    # Consumed and sliced: each full tensor is freed once its slice is read.
+    materialize(runtime, one_at_a_time=consume and prepare is not None)
     return runtime
 
 

@@ -185,9 +185,19 @@ def held_arrays(obj: Any) -> list[mx.array]:
     return out
 
 
-def materialize(*modules: Any) -> None:
-    """Evaluates every array the modules hold (`held_arrays`), so any thread may use them."""
-    mx.eval([held_arrays(m) for m in modules])
+def materialize(*modules: Any, one_at_a_time: bool = False) -> None:
+    """Evaluates every array the modules hold (`held_arrays`), so any thread may use them.
+
+    `one_at_a_time`: one evaluation per array, so that what an array is cut
+    from (a whole lazily loaded tensor a shard slices) can be freed before
+    the next is read.
+    """
+    arrays = [a for m in modules for a in held_arrays(m)]
+    if one_at_a_time:
+        for a in arrays:
+            mx.eval(a)
+    else:
+        mx.eval(arrays)
 
 
 def take_prefixed(weights: dict[str, Any], prefix: str) -> dict[str, Any]:
