@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from _gemma4 import WINDOW, make_pair
+from _greedy import check_stream, reference
 from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM
 
 import mtplx_ext
@@ -192,7 +193,13 @@ def test_convert_writes_an_mlx_drafter_folder_float_bit_exact_and_quantized_like
     assert isinstance(qt.head.model.embed_tokens, nn.QuantizedEmbedding)
     prompts = [rng.integers(0, 256, size=int(rng.integers(WINDOW + 1, 3 * WINDOW))).tolist() for _ in range(3)]
     runs = [mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=8, depth=2) for rt in (hf, fl, qt)]
-    assert [s.tokens for s in runs[0].streams] == [s.tokens for s in runs[2].streams]  # lossless either way
+    # Lossless with either drafter: each run equals mlx-lm's greedy decode of
+    # the target (different drafts verify different query counts, so the
+    # runs may part from each other only where the reference is a near tie).
+    for p, *streams in zip(prompts, *(r.streams for r in runs)):
+        ref, gaps = reference(hf, p, 8)
+        for i, s in enumerate(streams):
+            check_stream(i, s, ref, gaps, set(), 8)
     assert runs[0].accepted_at == runs[1].accepted_at  # the float folder drafts as the HF one
     # The 8-bit drafter's step stays near the float one's.
     cache = hf.make_cache([0], ragged=True, capacity=64)
