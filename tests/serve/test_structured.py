@@ -21,7 +21,10 @@ pytest.importorskip("xgrammar")
 
 from _live_server import start, stop  # noqa: E402
 
-from mtplx_ext.serve.structured import TOOL_CALL_END, TOOL_CALL_START, forced_call_schema  # noqa: E402
+from mtplx_ext.serve.tools import forced_call_schema, tool_format  # noqa: E402
+
+#: The shipped tokenizer names no tool format: the Qwen-style JSON one, as the server parses it.
+TOOL_CALL_START, TOOL_CALL_END = tool_format(None).prefix, tool_format(None).suffix
 
 SCHEMA = {
     "type": "object",
@@ -127,3 +130,43 @@ def test_a_tool_choice_naming_an_unknown_tool_gets_a_400(server):
             "tool_choice": {"type": "function", "function": {"name": "g"}}}
     r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("route", ["chat", "messages"])
+def test_a_tool_whose_parameters_are_not_a_json_schema_gets_a_400_naming_tools(server, route):
+    broken = {"type": "object", "properties": {"city": {"type": "nonsense"}}}
+    if route == "chat":
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": broken}}]}
+        r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools[0].function.parameters" and "JSON Schema" in err["message"]
+    else:
+        body = {"model": "tiny-qwen3-mtp", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+                "tools": [{"name": "f", "input_schema": broken}]}
+        r = httpx.post(server + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error" and "JSON Schema" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_tool_choice_any_or_tool_forces_a_valid_tool_use(server, choice):
+    # Without the call grammar the shipped code model writes code here, not a call.
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "unit": {"enum": ["c", "f"]}},
+              "required": ["city", "unit"], "additionalProperties": False}
+    tools = [{"name": "get_weather", "input_schema": schema}, {"name": "other", "input_schema": {"type": "object"}}]
+    rng = np.random.default_rng()
+    body = {"model": "tiny-qwen3-mtp", "max_tokens": 120, "tools": tools, "tool_choice": choice,
+            "temperature": float(rng.choice([0.0, 0.9])),
+            "messages": [{"role": "user", "content": str(rng.choice(PROMPTS))}]}
+    r = httpx.post(server + "/v1/messages", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    msg = r.json()
+    uses = [b for b in msg["content"] if b["type"] == "tool_use"]
+    assert msg["stop_reason"] == "tool_use" and len(uses) == 1, msg
+    if choice["type"] == "tool":
+        assert uses[0]["name"] == "get_weather"
+    want = next(t["input_schema"] for t in tools if t["name"] == uses[0]["name"])
+    jsonschema.validate(uses[0]["input"], want)

@@ -4,7 +4,8 @@ A Messages body is translated into the chat route's terms (OpenAI-shaped
 messages and tools through the same chat template, the same engine
 arguments), and the reply into Anthropic's content blocks: `text` and
 `tool_use` (cut from the text by the same `tools.ToolStream` as the chat
-route). Streams send Anthropic's events: `message_start`, `ping`,
+route); `tool_choice` `any` or `tool` forces a call through the chat route's
+call grammar (`structured.tool_call_constraint`). Streams send Anthropic's events: `message_start`, `ping`,
 `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`
 (an `error` event if the request fails). Client mistakes get Anthropic's
 error JSON with status 400, before anything reaches the engine.
@@ -23,7 +24,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Event, Request
-from mtplx_ext.serve import disconnect, params, tools
+from mtplx_ext.serve import disconnect, params, structured, tools
 from mtplx_ext.serve.errors import BadRequest, anthropic_error
 from mtplx_ext.serve.openai import Reply, engine_args, mtp_stats
 
@@ -149,6 +150,8 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
     sampling = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k") if k in body}
     args = engine_args(api, body, params.submit_args(sampling, "chat", api.eos_ids))
     args["stop"] = stops
+    # tool_choice "any" / "tool": the reply is a call, forced by its grammar as on the OpenAI route.
+    args["constraint"] = structured.tool_call_constraint(reply.tool_list, reply.tool_choice, api)
     return prompt, args, reply
 
 

@@ -108,7 +108,8 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     try:
         body = await api.body(http)
         prompt, args, reply = parse_request(api, body, kind)
-        args["constraint"] = structured.constraint(body, api)  # response_format, forced tool calls
+        # response_format, forced tool calls
+        args["constraint"] = structured.constraint(body, api, reply.tool_list, reply.tool_choice)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, disconnect.deliver(loop, events))

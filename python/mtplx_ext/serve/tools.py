@@ -11,7 +11,9 @@ before.
 
 `forced_call_schema` and `ToolFormat.prefix` / `suffix` describe what a
 `required` or named `tool_choice` must produce (the JSON of the call between
-the family's markers), for a grammar that forces it.
+the family's markers), for a grammar that forces it (`serve.structured`).
+Every function's `parameters` is checked against the JSON Schema metaschema
+here, once for both APIs, so a grammar is never built from a broken schema.
 """
 
 from __future__ import annotations
@@ -58,6 +60,19 @@ def tool_format(chat_tokenizer: Any) -> ToolFormat:
 # -- request checks -----------------------------------------------------------------
 
 
+def check_schema(schema: Any, what: str, param: str) -> dict:
+    """`schema` if it is a valid JSON Schema (its metaschema's check), else a BadRequest naming `param`."""
+    if not isinstance(schema, dict):
+        raise BadRequest(f"{what} must be a JSON Schema object", param)
+    import jsonschema  # noqa: PLC0415 - the serve extra's; imported with the first schema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise BadRequest(f"{what} is not a valid JSON Schema: {e.message}", param) from None
+    return schema
+
+
 def check_tools(body: dict) -> tuple[list[dict] | None, Any]:
     """A chat body's `tools` and `tool_choice`, checked: (tools or None, choice).
 
@@ -81,9 +96,8 @@ def check_tools(body: dict) -> tuple[list[dict] | None, Any]:
                                  f"{where}.function.name")
             if "description" in f and f["description"] is not None and not isinstance(f["description"], str):
                 raise BadRequest(f"{where}.function.description must be a string", f"{where}.function.description")
-            if "parameters" in f and f["parameters"] is not None and not isinstance(f["parameters"], dict):
-                raise BadRequest(f"{where}.function.parameters must be a JSON schema object",
-                                 f"{where}.function.parameters")
+            if f.get("parameters") is not None:
+                check_schema(f["parameters"], f"{where}.function.parameters", f"{where}.function.parameters")
             if "strict" in f and f["strict"] is not None and not isinstance(f["strict"], bool):
                 raise BadRequest(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
         names = [t["function"]["name"] for t in tools]
@@ -292,5 +306,5 @@ def split_reply(fmt: ToolFormat, tools: list[dict] | None, text: str) -> tuple[s
     return "".join(p for k, p in pieces if k == "text"), ts.calls
 
 
-__all__ = ["ROLES", "ToolFormat", "ToolStream", "chat_messages", "check_tools", "forced_call_schema", "openai_call",
-           "split_reply", "tool_format"]
+__all__ = ["ROLES", "ToolFormat", "ToolStream", "chat_messages", "check_schema", "check_tools", "forced_call_schema",
+           "openai_call", "split_reply", "tool_format"]
