@@ -15,11 +15,39 @@ using namespace metal;
 
 namespace mtplx {
 
-// Argmax and validity of one row over the whole threadgroup; every thread
-// gets the result. `partials` holds 3 * 32 ints.
-template <typename K>
+// The key of logit i of a row as the greedy scan compares it: the dtype's
+// own ordered key of x[i] or, with kBiased, the float32 key of
+// float32(x[i]) + bias[i] (`bias` is read only then), as the CPU scans its
+// biased float32 copy of the row.
+template <typename K, bool kBiased>
+inline int scan_key(
+    const device typename K::bits_t* x,
+    const device float* bias,
+    uint i) {
+  if (kBiased) {
+    return F32Key::key(as_type<uint>(to_float<K>(x[i]) + bias[i]));
+  }
+  return K::key(x[i]);
+}
+
+// Whether a row scanned with scan_key<K, kBiased> is usable. A biased row is
+// judged on its biased float32 values, as on the CPU.
+template <typename K, bool kBiased>
+inline bool scan_is_valid(ArgmaxAcc a) {
+  if (kBiased) {
+    return row_is_valid(
+        a.key, a.min_key, F32Key::pos_inf(), F32Key::neg_inf());
+  }
+  return row_is_valid(a.key, a.min_key, K::pos_inf(), K::neg_inf());
+}
+
+// Argmax of one row of V logits keyed by scan_key, over the whole
+// threadgroup (its min_key feeds scan_is_valid); every thread gets the
+// result. `partials` holds 3 * 32 ints.
+template <typename K, bool kBiased>
 inline ArgmaxAcc tg_row_argmax(
     const device typename K::bits_t* x,
+    const device float* bias,
     int V,
     threadgroup int* partials,
     uint tid,
@@ -31,7 +59,7 @@ inline ArgmaxAcc tg_row_argmax(
   // strict comparison keeps the lowest index of equal keys.
   ArgmaxAcc a = argmax_identity();
   for (uint i = tid; i < uint(V); i += tg_size) {
-    int k = K::key(x[i]);
+    int k = scan_key<K, kBiased>(x, bias, i);
     if (k > a.key) {
       a.key = k;
       a.idx = int(i);
@@ -57,47 +85,6 @@ inline ArgmaxAcc tg_row_argmax(
   return r;
 }
 
-// tg_row_argmax of the biased row float32(x) + bias (float32 keys; every
-// thread gets the result). Validity is judged on the biased values too, as
-// on the CPU, which scans its biased float32 copy.
-template <typename K>
-inline ArgmaxAcc tg_row_argmax_biased(
-    const device typename K::bits_t* x,
-    const device float* bias,
-    int V,
-    threadgroup int* partials,
-    uint tid,
-    uint tg_size,
-    uint lane,
-    uint sg,
-    uint num_sg) {
-  ArgmaxAcc a = argmax_identity();
-  for (uint i = tid; i < uint(V); i += tg_size) {
-    int k = F32Key::key(as_type<uint>(to_float<K>(x[i]) + bias[i]));
-    if (k > a.key) {
-      a.key = k;
-      a.idx = int(i);
-    }
-    a.min_key = min(a.min_key, k);
-  }
-  a = simd_argmax(a);
-  if (lane == 0) {
-    partials[sg] = a.key;
-    partials[32 + sg] = a.idx;
-    partials[64 + sg] = a.min_key;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  ArgmaxAcc r = argmax_identity();
-  if (lane < num_sg) {
-    r.key = partials[lane];
-    r.idx = partials[32 + lane];
-    r.min_key = partials[64 + lane];
-  }
-  r = simd_argmax(r);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  return r;
-}
-
 // One chain bundle row [x0, n, c_1..c_{K+1}] (as csrc/cpu/chain_bundle.h).
 inline void write_chain_row(
     device int* out,
@@ -112,46 +99,49 @@ inline void write_chain_row(
   }
 }
 
-// logits [B, K + 1, V] raw bits; tokens [B, K + 1]; bundle [B, K + 3].
-// Grid: B threadgroups of a multiple of 32 threads up to 1024.
-template <typename K, typename TokT>
-[[kernel]] void verify_greedy_chain(
-    const device typename K::bits_t* logits [[buffer(0)]],
-    const device TokT* tokens [[buffer(1)]],
-    device int* bundle [[buffer(2)]],
-    constant int& vocab [[buffer(3)]],
-    constant int& drafts [[buffer(4)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup int partials[3 * 32];
+// logits [B, K + 1, V] raw bits; tokens [B, K + 1]; bundle [B, K + 3];
+// bias: with kBiased the dense [B, V] float32 logit bias, added to every
+// verification row of the stream before its argmax (read only then). One
+// row of both kernels below; `partials` holds 3 * 32 ints.
+template <typename K, typename TokT, bool kBiased>
+inline void verify_greedy_chain_row(
+    const device typename K::bits_t* logits,
+    const device TokT* tokens,
+    device int* bundle,
+    int vocab,
+    int drafts,
+    const device float* bias,
+    threadgroup int* partials,
+    uint row,
+    uint tid,
+    uint tg_size,
+    uint lane,
+    uint sg,
+    uint num_sg) {
   const int V = vocab;
   const int KD = min(drafts, kMaxChainDrafts);
   const int T = KD + 1;
   const device TokT* tok = tokens + size_t(row) * T;
   const device typename K::bits_t* x = logits + size_t(row) * T * V;
+  const device float* br = kBiased ? bias + size_t(row) * V : bias;
   const TokT x0 = tok[0];
   const bool x0_ok = x0 >= 0 && x0 < TokT(V);
   int c[kMaxChainDrafts + 1];
   int n = kInvalid;
   if (x0_ok) {
-    ArgmaxAcc a =
-        tg_row_argmax<K>(x, V, partials, tid, tg_size, lane, sg, num_sg);
-    n = row_is_valid(a.key, a.min_key, K::pos_inf(), K::neg_inf())
-        ? 0
-        : kInvalid;
+    ArgmaxAcc a = tg_row_argmax<K, kBiased>(
+        x, br, V, partials, tid, tg_size, lane, sg, num_sg);
+    n = scan_is_valid<K, kBiased>(a) ? 0 : kInvalid;
     // Uniform across the threadgroup: every thread takes the same path.
     while (n >= 0 && n < KD) {
       const TokT d = tok[n + 1];
       if (!(d >= 0 && d < TokT(V)) || int(d) != a.idx) {
         break;
       }
-      ArgmaxAcc next = tg_row_argmax<K>(
-          x + size_t(n + 1) * V, V, partials, tid, tg_size, lane, sg, num_sg);
-      if (!row_is_valid(next.key, next.min_key, K::pos_inf(), K::neg_inf())) {
+      ArgmaxAcc next = tg_row_argmax<K, kBiased>(
+          x + size_t(n + 1) * V, br, V, partials, tid, tg_size, lane, sg,
+          num_sg);
+      if (!scan_is_valid<K, kBiased>(next)) {
         n = kInvalid;
         break;
       }
@@ -169,8 +159,29 @@ template <typename K, typename TokT>
   }
 }
 
-// verify_greedy_chain with a logit bias: bias [B, V] float32 (dense), added
-// to every verification row of the stream before its argmax.
+// verify_greedy_chain_row without a bias. Grid: B threadgroups of a multiple
+// of 32 threads up to 1024 (both kernels).
+template <typename K, typename TokT>
+[[kernel]] void verify_greedy_chain(
+    const device typename K::bits_t* logits [[buffer(0)]],
+    const device TokT* tokens [[buffer(1)]],
+    device int* bundle [[buffer(2)]],
+    constant int& vocab [[buffer(3)]],
+    constant int& drafts [[buffer(4)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint tg_size [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup int partials[3 * 32];
+  // No bias: nothing is bound at buffer(5), and the pointer is never read.
+  verify_greedy_chain_row<K, TokT, false>(
+      logits, tokens, bundle, vocab, drafts, nullptr, partials, row, tid,
+      tg_size, lane, sg, num_sg);
+}
+
+// verify_greedy_chain with a logit bias: bias [B, V] float32 (dense).
 template <typename K, typename TokT>
 [[kernel]] void verify_greedy_chain_biased(
     const device typename K::bits_t* logits [[buffer(0)]],
@@ -186,46 +197,9 @@ template <typename K, typename TokT>
     uint sg [[simdgroup_index_in_threadgroup]],
     uint num_sg [[simdgroups_per_threadgroup]]) {
   threadgroup int partials[3 * 32];
-  const int V = vocab;
-  const int KD = min(drafts, kMaxChainDrafts);
-  const int T = KD + 1;
-  const device TokT* tok = tokens + size_t(row) * T;
-  const device typename K::bits_t* x = logits + size_t(row) * T * V;
-  const device float* br = bias + size_t(row) * V;
-  const TokT x0 = tok[0];
-  const bool x0_ok = x0 >= 0 && x0 < TokT(V);
-  int c[kMaxChainDrafts + 1];
-  int n = kInvalid;
-  if (x0_ok) {
-    ArgmaxAcc a = tg_row_argmax_biased<K>(
-        x, br, V, partials, tid, tg_size, lane, sg, num_sg);
-    n = row_is_valid(a.key, a.min_key, F32Key::pos_inf(), F32Key::neg_inf())
-        ? 0
-        : kInvalid;
-    while (n >= 0 && n < KD) {
-      const TokT d = tok[n + 1];
-      if (!(d >= 0 && d < TokT(V)) || int(d) != a.idx) {
-        break;
-      }
-      ArgmaxAcc next = tg_row_argmax_biased<K>(
-          x + size_t(n + 1) * V, br, V, partials, tid, tg_size, lane, sg, num_sg);
-      if (!row_is_valid(
-              next.key, next.min_key, F32Key::pos_inf(), F32Key::neg_inf())) {
-        n = kInvalid;
-        break;
-      }
-      c[n] = int(d);
-      a = next;
-      ++n;
-    }
-    if (n >= 0) {
-      c[n] = a.idx;
-    }
-  }
-  if (tid == 0) {
-    write_chain_row(
-        bundle + size_t(row) * (KD + 3), KD, x0_ok ? int(x0) : kInvalid, n, c);
-  }
+  verify_greedy_chain_row<K, TokT, true>(
+      logits, tokens, bundle, vocab, drafts, bias, partials, row, tid,
+      tg_size, lane, sg, num_sg);
 }
 
 // verify_logits [B, K + 1, V] and draft_logits [B, K, V] bits; tokens
