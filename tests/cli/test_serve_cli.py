@@ -41,3 +41,30 @@ def test_bad_serve_flags_are_one_line_before_the_model_loads(flags, needle, caps
     assert cli.main(["serve", "--port", "0", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("mtplx-ext: error:") and needle in err, err
+
+
+def test_the_cli_passes_serve_its_own_defaults_and_loads_no_http_stack_to_parse_them(monkeypatch):
+    import inspect
+    import subprocess
+    import sys
+
+    from mtplx_ext.serve import server
+
+    params = inspect.signature(server.serve).parameters
+    got = {}
+
+    def fake_serve(rt, folder, **kw):
+        got.update(kw)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli_common, "load_model", lambda *a, **k: object())
+    monkeypatch.setattr(server, "serve", fake_serve)
+    monkeypatch.setattr(server, "bind", lambda host, port: socket.socket())
+    assert cli.main(["serve", "--no-mtp"]) == 2
+    for name in ("max_batch", "prefill_chunk", "prefix_cache_bytes", "shutdown_grace", "max_body_bytes"):
+        assert got[name] == params[name].default, name
+    # The parser (and its help) reads the defaults without starlette or uvicorn.
+    code = ("import sys, argparse, mtplx_ext.cli.serve as s; s.add_parser(argparse.ArgumentParser().add_subparsers()); "
+            "print('starlette' in sys.modules or 'uvicorn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out.stderr

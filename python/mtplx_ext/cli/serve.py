@@ -10,6 +10,7 @@ from typing import Any
 
 from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import CLIError, depth_flag, positive
+from mtplx_ext.serve import limits
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 
@@ -20,19 +21,21 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
-    s.add_argument("--max-batch", type=positive("--max-batch"), default=8, help="most streams decoding at once")
+    s.add_argument("--max-batch", type=positive("--max-batch"), default=limits.DEFAULT_MAX_BATCH,
+                   help="most streams decoding at once")
     s.add_argument("--depth", type=depth_flag, default="auto",
                    help="MTP drafts per cycle, 1..8, or auto (default: the fastest for a full batch here; plain where MTP would not pay)")
     s.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding (the baseline)")
     s.add_argument("--max-kv-slots", type=positive("--max-kv-slots"), help="most KV slots of the running batch")
-    s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=256)
-    s.add_argument("--prefix-cache-mb", type=int, default=256,
+    s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=limits.DEFAULT_PREFILL_CHUNK)
+    s.add_argument("--prefix-cache-mb", type=int, default=limits.DEFAULT_PREFIX_CACHE_MB,
                    help="MiB of prompt KV kept for later prompts that start alike (0: off)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
-    s.add_argument("--shutdown-grace", type=float, default=5.0,
-                   help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended (default 5)")
-    s.add_argument("--max-body-mb", type=float, default=4.0,
-                   help="largest request body in MiB; larger ones get a 413 (default 4)")
+    s.add_argument("--shutdown-grace", type=float, default=limits.DEFAULT_SHUTDOWN_GRACE_S,
+                   help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended "
+                        "(default %(default)g)")
+    s.add_argument("--max-body-mb", type=float, default=limits.DEFAULT_MAX_BODY_BYTES / (1 << 20),
+                   help="largest request body in MiB; larger ones get a 413 (default %(default)g)")
     parallel.add_flags(s)
     s.set_defaults(func=run)
 

@@ -16,9 +16,8 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from mtplx_ext.serve.errors import BadRequest
+from mtplx_ext.serve.limits import DEFAULT_MAX_BODY_BYTES
 
-#: Default most bytes of a request body (a long prompt is well under a MiB).
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 #: Most digits of a JSON integer: far beyond any field's range, well under Python's int-string limit.
 MAX_INT_DIGITS = 64
 #: Chat roles a message may have (OpenAI's).

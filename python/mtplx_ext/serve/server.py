@@ -22,12 +22,12 @@ from typing import Any
 from mtplx_ext.batching import Engine
 from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
-from mtplx_ext.serve.body import DEFAULT_MAX_BODY_BYTES
+from mtplx_ext.serve import limits
+from mtplx_ext.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from mtplx_ext.serve.warmup import warm_up
 from mtplx_ext.shipped import eos_ids
 
 #: Seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended.
-DEFAULT_SHUTDOWN_GRACE_S = 5.0
 SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
@@ -111,15 +111,15 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8080,
-    max_batch: int = 8,
+    max_batch: int = limits.DEFAULT_MAX_BATCH,
     depth: int = 1,
     use_mtp: bool = True,
     api_key: str | None = None,
     model_name: str | None = None,
     max_kv_slots: int | None = None,
-    prefill_chunk: int = 256,
+    prefill_chunk: int = limits.DEFAULT_PREFILL_CHUNK,
     log_level: str = "warning",
-    prefix_cache_bytes: int = 256 << 20,
+    prefix_cache_bytes: int = limits.DEFAULT_PREFIX_CACHE_MB << 20,
     sock: socket.socket | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
