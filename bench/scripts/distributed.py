@@ -16,14 +16,18 @@ prints them side by side. Each run, on every rank:
 * the latency of one decode-sized collective (an all_sum of [1, hidden]
   float32), median of 200;
 * memory: MLX's peak and the process's peak RSS after loading and after
-  decoding.
+  decoding;
+* with `--compare-head` (tensor parallel): the other head mode too (a
+  second runtime on every rank, `--head shard` against `replicate` or the
+  reverse), its MTP decodes interleaved with the first's in every repeat,
+  so the two heads are compared within one run.
 
 Then a paper model for M ranks over a link of latency `--link-us`: a step
 of the memory-bound model costs compute / M + rounds * latency, from the
 measured one-process step and the measured rounds.
 
-Run: python bench/scripts/distributed.py --model GROWN [--parallel tensor] [--head replicate|shard] [--batch 1,8] [--depth 0,1,2,3]
-     [--tokens 24] [--repeats 2] [--prompts 8] [--prompt-tokens 48] [--json out.json]
+Run: python bench/scripts/distributed.py --model GROWN [--parallel tensor] [--head shard|replicate] [--compare-head]
+     [--batch 1,8] [--depth 0,1,2,3] [--tokens 24] [--repeats 2] [--prompts 8] [--prompt-tokens 48] [--json out.json]
 """
 
 from __future__ import annotations
@@ -106,6 +110,12 @@ def measure(args) -> dict:
     else:
         rt = load(args.model)
     load_s = time.perf_counter() - t
+    other = None
+    if args.compare_head and group.size() > 1:
+        if args.parallel != "tensor":
+            raise SystemExit("--compare-head needs tensor parallel: pipeline stages always replicate the head")
+        other_mode = next(m for m in sharded.HEAD_MODES if m != sharded.resolve_head(args.parallel, args.head))
+        other = (other_mode, sharded.load(args.model, group=group, parallel=args.parallel, head=other_mode))
     mem = {"after_load_mlx_peak_mb": mx.get_peak_memory() / 2**20, "after_load_rss_mb": _rss_mb(),
            "after_load_mlx_active_mb": mx.get_active_memory() / 2**20}
     if args.prompts > 0:
@@ -117,13 +127,16 @@ def measure(args) -> dict:
     cycle_s: dict[str, float] = {}
     for b in args.batch:
         prompts = [prompts_all[i % len(prompts_all)] for i in range(b)]
-        for d in args.depth:  # warm-up: traces and compiles every shape
-            generate_greedy_batched(rt, prompts, max_new_tokens=8, depth=max(d, 1), use_mtp_draft=d > 0)
+        # (runtime, key suffix): the other head's runtime decodes MTP only (plain decoding never runs the head).
+        configs = [(rt, "", args.depth)] + ([(other[1], f"-{other[0]}", [d for d in args.depth if d > 0])] if other else [])
+        for model, _, depths in configs:  # warm-up: traces and compiles every shape
+            for d in depths:
+                generate_greedy_batched(model, prompts, max_new_tokens=8, depth=max(d, 1), use_mtp_draft=d > 0)
         for _ in range(args.repeats):
-            for d in args.depth:
-                r = generate_greedy_batched(rt, prompts, max_new_tokens=args.tokens, depth=max(d, 1),
+            for d, (model, suffix) in [(d, (m, x)) for d in args.depth for m, x, ds in configs if d in ds]:
+                r = generate_greedy_batched(model, prompts, max_new_tokens=args.tokens, depth=max(d, 1),
                                             use_mtp_draft=d > 0)
-                key = f"b{b}-d{d}"
+                key = f"b{b}-d{d}{suffix}"
                 print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {r.tokens_per_s:.2f} tokens/s",
                       file=sys.stderr, flush=True)
                 runs.setdefault(key, []).append(r.tokens_per_s)
@@ -132,7 +145,8 @@ def measure(args) -> dict:
     rounds = [_count_rounds(rt, [prompts_all[0]] * b, d) for b in args.batch for d in args.depth] if group.size() > 1 else []
     hidden = int(rt.config.get("hidden_size", 0))
     out = {
-        "ranks": group.size(), "rank": group.rank(), "gemm_split": split, "parallel": args.parallel if group.size() > 1 else "none", "head": args.head,
+        "ranks": group.size(), "rank": group.rank(), "gemm_split": split, "parallel": args.parallel if group.size() > 1 else "none",
+        "head": sharded.resolve_head(args.parallel, args.head) if group.size() > 1 else "none",
         "load_s": load_s, "tokens_per_s": {k: statistics.median(v) for k, v in runs.items()},
         "tokens_per_s_all": runs, "mean_accepted_length": accept,
         "cycle_ms": {k: statistics.median(v) * 1e3 for k, v in cycle_s.items()},
@@ -195,7 +209,10 @@ def main() -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--parallel", choices=sharded.PARALLEL_MODES, default="tensor")
     ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--head", choices=sharded.HEAD_MODES, default="replicate", help="the MTP head on the ranks")
+    ap.add_argument("--head", choices=sharded.HEAD_MODES,
+                    help="the MTP head on the ranks (default: shard in tensor parallel, replicate pipelined)")
+    ap.add_argument("--compare-head", action="store_true",
+                    help="also decode with the other head mode on the ranks, interleaved per repeat")
     ap.add_argument("--batch", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     ap.add_argument("--depth", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2, 3])
     ap.add_argument("--tokens", type=int, default=24)
@@ -224,7 +241,11 @@ def main() -> int:
     print(f"load average before {load[0]:.1f}, after {report['loadavg_after'][0]:.1f}")
     print(f"{'config':<10}" + "".join(f"{k:>11}" for k in single["tokens_per_s"]))
     print(f"{'1 process':<10}" + "".join(f"{v:>11.2f}" for v in single["tokens_per_s"].values()))
-    print(f"{f'{args.ranks} ranks':<10}" + "".join(f"{v:>11.2f}" for v in ranks[0]["tokens_per_s"].values()))
+    tps = ranks[0]["tokens_per_s"]
+    print(f"{f'{args.ranks} ranks':<10}" + "".join(f"{tps[k]:>11.2f}" for k in single["tokens_per_s"]))
+    extra = [k for k in tps if k not in single["tokens_per_s"]]
+    if extra:  # --compare-head: the other head mode, same run
+        print(f"{args.ranks} ranks, other head: " + ", ".join(f"{k} {tps[k]:.2f}" for k in extra))
     print("mean accepted length (2 ranks):", {k: round(v, 2) for k, v in ranks[0]["mean_accepted_length"].items()})
     print("cycle ms 1 process:", {k: round(v, 1) for k, v in single["cycle_ms"].items()})
     print(f"cycle ms {args.ranks} ranks:", {k: round(v, 1) for k, v in ranks[0]["cycle_ms"].items()})

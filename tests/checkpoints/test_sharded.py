@@ -59,3 +59,15 @@ def test_a_stage_count_above_the_layer_count_is_refused():
     three = SimpleNamespace(size=lambda: 3, rank=lambda: 0)
     with pytest.raises(CheckpointError, match="2 trunk layers cannot make 3 pipeline stages"):
         sharded.shard_runtime(mtplx_ext.init_random("deepseek_v3"), three, "pipeline")
+
+
+def test_the_default_head_is_sharded_in_tensor_parallel_and_replicated_pipelined():
+    assert sharded.resolve_head("tensor", None) == "shard"
+    assert sharded.resolve_head("pipeline", None) == "replicate"
+    assert sharded.resolve_head("tensor", "replicate") == "replicate"
+    # The default split really reaches the head: its attention keeps half the heads on each of 2 ranks.
+    rt = mtplx_ext.init_random("qwen3")
+    before = {k: v.shape for k, v in tree_flatten(rt.mtp_modules[0].parameters())}
+    sharded.shard_runtime(rt, TWO, "tensor")
+    after = {k: v.shape for k, v in tree_flatten(rt.mtp_modules[0].parameters())}
+    assert any(after[k] != before[k] for k in before)

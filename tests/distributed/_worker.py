@@ -73,7 +73,7 @@ def main() -> int:
         mx.clear_cache()
         mx.reset_peak_memory()
         before = mx.get_active_memory()  # the previous job's model is still alive
-        rt = mtplx_ext.load(folder, group=group, parallel=job["parallel"], head=job.get("head", "replicate"),
+        rt = mtplx_ext.load(folder, group=group, parallel=job["parallel"], head=job.get("head"),
                           fuse_cpu_ops=False)
         load_peak = mx.get_peak_memory() - before
         dog.beat()

@@ -24,12 +24,12 @@ from _dist import run_worker
 
 pytestmark = pytest.mark.slow
 
-#: (job name, family, parallel, head, sampled)
+#: (job name, family, parallel, head (None: the default, sharded in tensor parallel), sampled)
 JOBS = [
-    ("qwen3-tensor", "qwen3", "tensor", "replicate", True),
+    ("qwen3-tensor", "qwen3", "tensor", None, True),
     ("deepseek-tensor", "deepseek_v3", "tensor", "replicate", False),
     ("deepseek-pipeline", "deepseek_v3", "pipeline", "replicate", True),
-    ("deepseek-tensor-head-sharded", "deepseek_v3", "tensor", "shard", False),
+    ("deepseek-tensor-head-sharded", "deepseek_v3", "tensor", "shard", False),  # named, as the default
 ]
 
 

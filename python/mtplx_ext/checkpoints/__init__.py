@@ -55,7 +55,7 @@ def load(
     drafter: str | Path | None = None,
     group: Any = None,
     parallel: str = "tensor",
-    head: str = "replicate",
+    head: str | None = None,
 ) -> MTPRuntime:
     """Loads a model folder into an MTP runtime; with a distributed `group`, this rank's part of it.
 
@@ -68,8 +68,9 @@ def load(
             (`sharded.load`); None loads the whole model.
         parallel: "tensor" (every layer split, mlx-lm's `shard()`) or
             "pipeline" (one stage of layers per rank, mlx-lm's `pipeline()`).
-        head: "replicate" (default; every rank runs the whole MTP head) or
-            "shard" (split like a trunk layer; tensor parallel only).
+        head: "shard" (default in tensor parallel: the MTP head split like a
+            trunk layer) or "replicate" (every rank runs the whole head; the
+            default, and the only mode, pipelined).
 
     Raises:
         as `loading.load`; ValueError naming `parallel` / `head` for an

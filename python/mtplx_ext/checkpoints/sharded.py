@@ -15,14 +15,17 @@ rank keeps only its shard:
   `mx.distributed.send` and the last stage's output reaches every rank
   through one `all_gather` (`models.trunk.trunk_hidden`).
 
-The MTP head is replicated by default: it is one small layer for the
-checkpoints here, and a replicated head drafts without any collective (a
-sharded one costs two all-reduces per draft). `head="shard"` splits its
-block like a trunk layer with the same family code (DeepSeek-V3's MTP
-block is a full MoE layer, gigabytes at full size). The embedding, the
-final norm and the LM head are replicated (mlx-lm does not shard them), so
-every rank computes the same logits and, with the same sampling keys, the
-same tokens.
+The MTP head is split like a trunk layer by default in tensor parallel
+(`head="shard"`, with the trunk family's own `shard()`): a draft step then
+reads only the rank's part of the head block, for two all-reduces, and a
+memory-bound head step is the rank's bytes, not the whole block's (measured
+faster than a replicated head on the grown benchmark model, see
+bench/RESULTS.md; DeepSeek-V3's MTP block is a full MoE layer, gigabytes at
+full size). `head="replicate"` keeps the whole head on every rank (no
+collective per draft); pipeline parallel always replicates it. The
+embedding, the final norm and the LM head are replicated (mlx-lm does not
+shard them), so every rank computes the same logits and, with the same
+sampling keys, the same tokens.
 """
 
 from __future__ import annotations
@@ -40,15 +43,23 @@ from mtplx_ext.models.runtime import MTPRuntime
 
 #: The ways a runtime can be split across a group.
 PARALLEL_MODES = ("tensor", "pipeline")
-HEAD_MODES = ("replicate", "shard")
+HEAD_MODES = ("replicate", "shard")  # None picks by parallel mode: `resolve_head`
 
 
-def check_parallel(parallel: object, head: object = "replicate") -> None:
-    """Raises ValueError naming the argument when `parallel` / `head` is not a known mode."""
+def check_parallel(parallel: object, head: object = None) -> None:
+    """Raises ValueError naming the argument when `parallel` / `head` is not a known mode (None: the default)."""
     if parallel not in PARALLEL_MODES:
         raise ValueError(f"parallel must be one of {', '.join(PARALLEL_MODES)}, got {parallel!r}")
-    if head not in HEAD_MODES:
-        raise ValueError(f"head must be one of {', '.join(HEAD_MODES)}, got {head!r}")
+    if head is not None and head not in HEAD_MODES:
+        raise ValueError(f"head must be one of {', '.join(HEAD_MODES)} or None, got {head!r}")
+
+
+def resolve_head(parallel: str, head: str | None) -> str:
+    """The head mode a load uses: `head`, or by default "shard" in tensor parallel and "replicate" pipelined."""
+    check_parallel(parallel, head)
+    if head is None:
+        return "shard" if parallel == "tensor" else "replicate"
+    return head
 
 
 def _check_tensor_split(config: dict, n: int, where: str) -> None:
@@ -67,7 +78,7 @@ def _shard_head(runtime: MTPRuntime, group: Any) -> None:
     type(runtime.trunk).shard(shim, group)
 
 
-def shard_runtime(runtime: MTPRuntime, group: Any, parallel: str, head: str = "replicate", where: str = "model") -> None:
+def shard_runtime(runtime: MTPRuntime, group: Any, parallel: str, head: str | None = None, where: str = "model") -> None:
     """Splits a runtime's trunk (and optionally its head) across `group`, in place, before evaluation.
 
     Call it on a runtime whose parameters are still lazy (as `load` does) so
@@ -79,7 +90,7 @@ def shard_runtime(runtime: MTPRuntime, group: Any, parallel: str, head: str = "r
             cannot split that way (naming it and the other mode), widths
             that do not divide by the group size.
     """
-    check_parallel(parallel, head)
+    head = resolve_head(parallel, head)
     n = group.size()
     if n == 1:
         return
@@ -108,7 +119,7 @@ def load(
     *,
     group: Any,
     parallel: str = "tensor",
-    head: str = "replicate",
+    head: str | None = None,
     fuse_cpu_ops: bool = True,
 ) -> MTPRuntime:
     """`checkpoints.load` across the ranks of `group`: each rank keeps (and, pipelined, reads) only its part.
@@ -118,13 +129,15 @@ def load(
         group: an `mx.distributed.Group` (`mx.distributed.init()`); a group
             of one loads the whole model.
         parallel: "tensor" or "pipeline".
-        head: "replicate" (default) or "shard" (tensor parallel only).
+        head: "shard" (the default in tensor parallel: the head block split
+            like a trunk layer) or "replicate" (the default pipelined, and
+            the only mode there).
         fuse_cpu_ops: as for `checkpoints.load`.
 
     Raises:
         as `checkpoints.load` and `shard_runtime`.
     """
-    check_parallel(parallel, head)
+    head = resolve_head(parallel, head)
     path = Path(path)
     config = loading.read_config(path)
     where = str(path / "config.json")
