@@ -156,7 +156,10 @@ def test_anthropic_tool_choice_any_or_tool_forces_a_valid_tool_use(server, choic
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "unit": {"enum": ["c", "f"]}},
               "required": ["city", "unit"], "additionalProperties": False}
-    tools = [{"name": "get_weather", "input_schema": schema}, {"name": "other", "input_schema": {"type": "object"}}]
+    # Both schemas bounded, so a sampled call always closes within max_tokens.
+    other = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+             "additionalProperties": False}
+    tools = [{"name": "get_weather", "input_schema": schema}, {"name": "other", "input_schema": other}]
     rng = np.random.default_rng()
     body = {"model": "tiny-qwen3-mtp", "max_tokens": 120, "tools": tools, "tool_choice": choice,
             "temperature": float(rng.choice([0.0, 0.9])),
