@@ -133,7 +133,7 @@ def measure(args) -> dict:
             for d in depths:
                 generate_greedy_batched(model, prompts, max_new_tokens=8, depth=max(d, 1), use_mtp_draft=d > 0)
         for _ in range(args.repeats):
-            for d, (model, suffix) in [(d, (m, x)) for d in args.depth for m, x, ds in configs if d in ds]:
+            for d, model, suffix in ((d, m, x) for d in args.depth for m, x, ds in configs if d in ds):
                 r = generate_greedy_batched(model, prompts, max_new_tokens=args.tokens, depth=max(d, 1),
                                             use_mtp_draft=d > 0)
                 key = f"b{b}-d{d}{suffix}"

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mtplx_ext.batching import Engine, Request
 from mtplx_ext.serve import anthropic, openai
 from mtplx_ext.serve import body as bodies
+from mtplx_ext.serve import limits
 from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
 from mtplx_ext.serve.params import integer
 
@@ -49,7 +50,7 @@ class API:
         chat_tokenizer: Any = None,
         api_key: str | None = None,
         eos_ids: tuple[int, ...] = (),
-        max_body_bytes: int = bodies.DEFAULT_MAX_BODY_BYTES,
+        max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
     ):
         self.engine = engine
         self.model_name = model_name

@@ -16,7 +16,6 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from mtplx_ext.serve.errors import BadRequest
-from mtplx_ext.serve.limits import DEFAULT_MAX_BODY_BYTES
 
 #: Most digits of a JSON integer: far beyond any field's range, well under Python's int-string limit.
 MAX_INT_DIGITS = 64
@@ -107,4 +106,4 @@ def check_roles(body: dict) -> None:
                              f"messages[{i}].role")
 
 
-__all__ = ["CHAT_ROLES", "DEFAULT_MAX_BODY_BYTES", "MAX_INT_DIGITS", "check_roles", "parse", "read"]
+__all__ = ["CHAT_ROLES", "MAX_INT_DIGITS", "check_roles", "parse", "read"]

@@ -23,11 +23,10 @@ from mtplx_ext.batching import Engine
 from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
 from mtplx_ext.serve import limits
-from mtplx_ext.serve.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from mtplx_ext.serve.warmup import warm_up
 from mtplx_ext.shipped import eos_ids
 
-#: Seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended.
+#: The error a request still in flight when the grace period ends gets.
 SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
@@ -121,8 +120,8 @@ def serve(
     log_level: str = "warning",
     prefix_cache_bytes: int = limits.DEFAULT_PREFIX_CACHE_MB << 20,
     sock: socket.socket | None = None,
-    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    shutdown_grace: float = limits.DEFAULT_SHUTDOWN_GRACE_S,
+    max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
     warm: bool = True,
     log: Callable[[str], None] | None = None,
     group: Any = None,
@@ -172,4 +171,4 @@ def serve(
         sock.close()
 
 
-__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "SHUTDOWN_MESSAGE", "bind", "load_chat_tokenizer", "serve"]
+__all__ = ["SHUTDOWN_MESSAGE", "bind", "load_chat_tokenizer", "serve"]
