@@ -113,6 +113,9 @@ def test_a_hybrid_trunk_can_be_built_for_training():
         (["--freeze-trunk", "1"], "--freeze-trunk"),
         (["--trunk", "llama"], "--trunk"),
         (["--mtp-layers", "0"], "--mtp-layers"),
+        (["--self-distill", "1.5", "--init", "m"], "--self-distill"),
+        (["--self-distill", "0.5"], "--self-distill"),
+        (["--self-windows", "0"], "--self-windows"),
     ],
 )
 def test_bad_training_arguments_are_refused_naming_the_flag(argv, message, capsys):

@@ -31,6 +31,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         p.error("--depth must be in 1..8")
     if not 1 <= cfg.mtp_layers <= 8:
         p.error("--mtp-layers must be in 1..8")
+    if not 0.0 <= cfg.self_distill <= 1.0:
+        p.error("--self-distill must be in [0, 1]")
+    if cfg.self_distill > 0.0 and not cfg.init:
+        p.error("--self-distill needs --init MODEL_DIR (a trained trunk writes the text)")
+    for name in ("self_windows", "self_prompt", "self_new"):
+        if getattr(cfg, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.freeze_trunk and not cfg.init:
         p.error("--freeze-trunk 1 needs --init MODEL_DIR (a trained trunk)")
     if cfg.minutes <= 0 and cfg.max_steps <= 0:

@@ -34,6 +34,7 @@ from mtplx_ext.checkpoints import add_mtp_modules, init_random, load
 from mtplx_ext.shipped import EOS_TOKEN
 from mtplx_ext.train.corpus import encode_files, split_files, stdlib_files, stdlib_root, train_tokenizer
 from mtplx_ext.train.loop import lr_at, run_loop, sample_windows
+from mtplx_ext.train.self_data import greedy_stream
 from mtplx_ext.train.report import write_model_readme
 
 # -- model -------------------------------------------------------------------
@@ -74,6 +75,14 @@ class TrainConfig:
     #: MTP layers of the head (depth k trains layer (k - 1) % layers); an
     #: --init folder with fewer gets copies of its last layer.
     mtp_layers: int = 1
+    #: Share of each batch's windows cut from the trunk's own greedy
+    #: continuations of training text (`self_data.greedy_stream`) instead of
+    #: the corpus; needs --init (a trained trunk).
+    self_distill: float = 0.0
+    #: Continuations made for it, and each one's prompt and new tokens.
+    self_windows: int = 2048
+    self_prompt: int = 48
+    self_new: int = 208
 
 
 def build_runtime(cfg: TrainConfig, tokenizer):
@@ -227,20 +236,31 @@ def file_start_prompts(tokens: np.ndarray, eos: int, n: int, length: int) -> lis
 
 
 def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: int = 8,
-                              prompt_len: int = 32, new_tokens: int = 96) -> dict:
-    """Greedy MTP decoding from the starts of held-out files: the real acceptance rate."""
+                              prompt_len: int = 32, new_tokens: int = 96, depth: int = 1) -> dict:
+    """Greedy MTP decoding from the starts of held-out files: the real acceptance rate.
+
+    Depth 1 as one batch and per prompt; with `depth` > 1 also the batch
+    decoded at that depth (acceptance per draft position, mean accepted length).
+    """
     from mtplx_ext.engine import generate_greedy_batched
 
     prompts = file_start_prompts(held_tokens, eos, n_prompts, prompt_len)
     res = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens)
     single = [generate_greedy_batched(rt, [p], max_new_tokens=new_tokens).acceptance_rate for p in prompts]
-    return {
+    out = {
         "prompts": len(prompts),
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
         "acceptance_batch": res.acceptance_rate,
         "acceptance_single_mean": float(np.mean(single)),
     }
+    if depth > 1:
+        deep = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens, depth=depth)
+        out[f"depth_{depth}"] = {
+            "acceptance_per_depth": deep.acceptance_per_depth,
+            "mean_accepted_length": deep.mean_accepted_length,
+        }
+    return out
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -285,6 +305,24 @@ def train(cfg: TrainConfig) -> dict:
     n_params = sum(v.size for _, v in tree_flatten(rt.parameters()))
     print(f"model: {n_params / 1e6:.2f}M parameters", flush=True)
 
+    self_tokens = None
+    if cfg.self_distill > 0.0:
+        t = time.time()
+        self_tokens = greedy_stream(rt, train_tokens, tok.token_to_id(EOS_TOKEN), cfg.self_windows,
+                                    cfg.self_prompt, cfg.self_new, np.random.default_rng(cfg.seed + 1))
+        print(f"self-distillation: {len(self_tokens):,} tokens of the trunk's greedy text "
+              f"({time.time() - t:.0f}s)", flush=True)
+    n_self = round(cfg.batch * cfg.self_distill)
+
+    def sample() -> mx.array:
+        """A batch: `n_self` windows of the trunk's own text, the rest from the corpus."""
+        parts = []
+        if n_self < cfg.batch:
+            parts.append(sample_windows(rng, train_tokens, cfg.batch - n_self, cfg.seq_len + 1))
+        if n_self:
+            parts.append(sample_windows(rng, self_tokens, n_self, cfg.seq_len + 1))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
     opt = optim.AdamW(learning_rate=cfg.lr, weight_decay=0.01)
     loss_and_grad = nn.value_and_grad(rt, lambda s: joint_loss(rt, s, cfg.head_weight, cfg.distill, cfg.depth, not cfg.freeze_trunk))
     state = [rt.state, opt.state, mx.random.state]
@@ -304,12 +342,11 @@ def train(cfg: TrainConfig) -> dict:
 
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
-    done = run_loop(cfg, opt, run_step, lambda: sample_windows(rng, train_tokens, cfg.batch, cfg.seq_len + 1),
-                    ("loss", "trunk_ce", "head_ce"), log)
+    done = run_loop(cfg, opt, run_step, sample, ("loss", "trunk_ce", "head_ce"), log)
     total, train_s = done.steps, done.train_s
 
     heldout = evaluate(rt, held_tokens, cfg.seq_len, cfg.eval_tokens, depth=max(cfg.depth, 3))
-    heldout["decode"] = heldout_decode_acceptance(rt, held_tokens, tok.token_to_id(EOS_TOKEN))
+    heldout["decode"] = heldout_decode_acceptance(rt, held_tokens, tok.token_to_id(EOS_TOKEN), depth=cfg.depth)
     print("held-out:", json.dumps(heldout), flush=True)
     log.write(json.dumps({"heldout": heldout}) + "\n")
     log.close()
@@ -323,6 +360,7 @@ def train(cfg: TrainConfig) -> dict:
         "train_files": len(train_files),
         "heldout_files": len(held_files),
         "train_tokens": int(len(train_tokens)),
+        "self_distill_tokens": 0 if self_tokens is None else int(len(self_tokens)),
         "heldout_tokens": int(len(held_tokens)),
         "final_train_ema": done.ema,
         "heldout": heldout,
