@@ -7,7 +7,8 @@ a time: the model in one process, then split over `--ranks` processes
 prints them side by side. Each run, on every rank:
 
 * tokens/s of greedy decoding (compiled steps) at each batch size, plain and
-  MTP at each depth, interleaved per repeat, medians; the prompts are cut
+  MTP at each depth, interleaved per repeat, medians; every prompt decodes at
+  every batch size (`benchmark.prompt_groups`: batch 1 decodes each alone); the prompts are cut
   from the held-out stdlib files (`benchmark.heldout_prompts`, the same on
   every rank), or the bench's own openings with `--prompts 0`;
 * collective rounds per cycle and per generated token: one eager decode
@@ -48,7 +49,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx_ext import _blas, generate_greedy_batched
-from mtplx_ext.benchmark import encode_prompts, heldout_prompts
+from mtplx_ext.benchmark import encode_prompts, heldout_prompts, prompt_groups
 from mtplx_ext.checkpoints import load, sharded
 from mtplx_ext.shipped import BENCH_PROMPTS
 
@@ -126,7 +127,10 @@ def measure(args) -> dict:
     accept: dict[str, float] = {}
     cycle_s: dict[str, float] = {}
     for b in args.batch:
-        prompts = [prompts_all[i % len(prompts_all)] for i in range(b)]
+        # Every prompt decodes at every batch size (batch 1: each prompt alone, in turn), so batch 1 is
+        # not one prompt's acceptance.
+        groups = prompt_groups(prompts_all, b)
+        prompts = groups[0]
         # (runtime, key suffix): the other head's runtime decodes MTP only (plain decoding never runs the head).
         configs = [(rt, "", args.depth)] + ([(other[1], f"-{other[0]}", [d for d in args.depth if d > 0])] if other else [])
         for model, _, depths in configs:  # warm-up: traces and compiles every shape
@@ -134,14 +138,15 @@ def measure(args) -> dict:
                 generate_greedy_batched(model, prompts, max_new_tokens=8, depth=max(d, 1), use_mtp_draft=d > 0)
         for _ in range(args.repeats):
             for d, model, suffix in ((d, m, x) for d in args.depth for m, x, ds in configs if d in ds):
-                r = generate_greedy_batched(model, prompts, max_new_tokens=args.tokens, depth=max(d, 1),
-                                            use_mtp_draft=d > 0)
+                rs = [generate_greedy_batched(model, g, max_new_tokens=args.tokens, depth=max(d, 1),
+                                              use_mtp_draft=d > 0) for g in groups]
+                tokens, seconds = sum(r.generated_tokens for r in rs), sum(r.decode_s for r in rs)
                 key = f"b{b}-d{d}{suffix}"
-                print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {r.tokens_per_s:.2f} tokens/s",
+                print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {tokens / seconds:.2f} tokens/s",
                       file=sys.stderr, flush=True)
-                runs.setdefault(key, []).append(r.tokens_per_s)
-                accept[key] = r.mean_accepted_length if d > 0 else 0.0
-                cycle_s.setdefault(key, []).append(r.decode_s / max(r.cycles, 1))
+                runs.setdefault(key, []).append(tokens / seconds)
+                accept[key] = sum(r.accepted for r in rs) / max(1, sum(r.stream_cycles for r in rs)) if d > 0 else 0.0
+                cycle_s.setdefault(key, []).append(seconds / max(1, sum(r.cycles for r in rs)))
     rounds = [_count_rounds(rt, [prompts_all[0]] * b, d) for b in args.batch for d in args.depth] if group.size() > 1 else []
     hidden = int(rt.config.get("hidden_size", 0))
     out = {

@@ -93,10 +93,22 @@ clipping 1.0, batch {cfg['batch']} x {cfg['seq_len']} tokens, seed {cfg['seed']}
   back, as a depth-K decode feeds it its drafts), cross-entropy at t + 2 .. t +
   {cfg.get('depth', 1) + 1}, averaged over depths.
 """
+    if float(cfg.get("self_distill", 0.0)) > 0:
+        text += f"""- Self-distillation: {100 * float(cfg['self_distill']):g} % of each batch's windows were cut from the
+  trunk's own greedy continuations ({cfg['self_new']} new tokens) of {cfg['self_windows']} windows of
+  {cfg['self_prompt']} tokens of the training files ({s.get('self_distill_tokens', 0):,} tokens), the text a
+  greedy decode feeds the head.
+"""
     if dec:
         text += f"""- Greedy MTP decoding acceptance rate, prompts = the first {dec['prompt_tokens']} tokens of
   {dec['prompts']} held-out files, {dec['new_tokens']} new tokens each: {dec['acceptance_batch']:.3f} as one batch,
   {dec['acceptance_single_mean']:.3f} mean over single-prompt runs.
+"""
+        for key, deep in dec.items():
+            if key.startswith("depth_"):
+                per = " / ".join(f"{a:.3f}" for a in deep["acceptance_per_depth"])
+                text += f"""- The same batch at depth {key.split('_')[1]}: acceptance per draft position {per},
+  mean accepted length {deep['mean_accepted_length']:.3f}.
 """
     text += """
 `train_log.jsonl` is the loss log (every 10 steps); `train_summary.json`
