@@ -103,7 +103,9 @@ def case(pair):
     return tokens, positions, engine_drafts(pair, tokens, positions)
 
 
-TOL = 2e-5
+# float32 sums in two orders (parallel vs step by step): 2e-6 to 2e-5 measured over random pairs, once just
+# above 2e-5; the broken objectives below give 0.39 or more, far above 100 x TOL.
+TOL = 1e-4
 
 
 def test_the_target_forward_is_mlx_lms_and_the_engines(pair, case):
