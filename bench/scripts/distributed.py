@@ -49,7 +49,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx_ext import _blas, generate_greedy_batched
-from mtplx_ext.benchmark import encode_prompts, heldout_prompts, prompt_groups
+from mtplx_ext.benchmark import combined_runs, encode_prompts, engine_run, heldout_prompts, prompt_groups
 from mtplx_ext.checkpoints import load, sharded
 from mtplx_ext.shipped import BENCH_PROMPTS
 
@@ -138,15 +138,13 @@ def measure(args) -> dict:
                 generate_greedy_batched(model, prompts, max_new_tokens=8, depth=max(d, 1), use_mtp_draft=d > 0)
         for _ in range(args.repeats):
             for d, model, suffix in ((d, m, x) for d in args.depth for m, x, ds in configs if d in ds):
-                rs = [generate_greedy_batched(model, g, max_new_tokens=args.tokens, depth=max(d, 1),
-                                              use_mtp_draft=d > 0) for g in groups]
-                tokens, seconds = sum(r.generated_tokens for r in rs), sum(r.decode_s for r in rs)
+                r = combined_runs([engine_run(model, g, args.tokens, d > 0, depth=max(d, 1)) for g in groups])
                 key = f"b{b}-d{d}{suffix}"
-                print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {tokens / seconds:.2f} tokens/s",
+                print(f"[{group.size()} rank(s), rank {group.rank()}] {key}: {r.tokens_per_s:.2f} tokens/s",
                       file=sys.stderr, flush=True)
-                runs.setdefault(key, []).append(tokens / seconds)
-                accept[key] = sum(r.accepted for r in rs) / max(1, sum(r.stream_cycles for r in rs)) if d > 0 else 0.0
-                cycle_s.setdefault(key, []).append(seconds / max(1, sum(r.cycles for r in rs)))
+                runs.setdefault(key, []).append(r.tokens_per_s)
+                accept[key] = r.accepted / max(1, r.stream_cycles) if d > 0 else 0.0
+                cycle_s.setdefault(key, []).append(r.seconds / max(1, r.cycles))
     rounds = [_count_rounds(rt, [prompts_all[0]] * b, d) for b in args.batch for d in args.depth] if group.size() > 1 else []
     hidden = int(rt.config.get("hidden_size", 0))
     out = {

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import mtplx_ext
+from mtplx_ext.engine.results import StreamResult
 from mtplx_ext.train.self_data import greedy_stream, prompt_windows
 from _greedy import check_stream, reference
 from _ragged import fresh_seed
@@ -60,9 +61,5 @@ def test_the_stream_is_each_prompt_then_mlx_lms_greedy_continuation_then_eos():
         ref, gaps = reference(rt, prompt, 12)
         got = piece[6:-1]
         finished = len(got) < 12
-
-        class _Stream:
-            tokens = got + ([EOS] if finished else [])
-            finish_reason = "stop" if finished else "length"
-
-        check_stream(i, _Stream, ref, gaps, {EOS}, 12)
+        stream_i = StreamResult(got + [EOS] if finished else got, "stop" if finished else "length")
+        check_stream(i, stream_i, ref, gaps, {EOS}, 12)
