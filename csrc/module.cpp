@@ -18,6 +18,7 @@ void bind_verify(nb::module_& m); // verify_bindings.cpp
 void bind_state(nb::module_& m); // state_bindings.cpp
 void bind_sampling(nb::module_& m); // sampling_bindings.cpp
 void bind_fused(nb::module_& m); // fused_bindings.cpp
+void bind_linear(nb::module_& m); // linear_bindings.cpp
 } // namespace mtplx
 
 NB_MODULE(_ext, m) {
@@ -52,4 +53,5 @@ NB_MODULE(_ext, m) {
   mtplx::bind_state(m);
   mtplx::bind_sampling(m);
   mtplx::bind_fused(m);
+  mtplx::bind_linear(m);
 }

@@ -6,9 +6,12 @@ products a plain step (M = batch) or a verification (M = batch x (K + 1))
 asks for. Each pass runs under every setting, interleaved per repeat so a
 noisy neighbour hits them alike; medians of the repeats:
 
-* decode 2t: the decode GEMM (the default), large weights split over 2 threads;
-* decode 1t: the decode GEMM on one thread (`set_gemm_split_bytes(None)`);
-* old: the routing before it, the small-row kernel up to 8 rows, OpenBLAS above;
+* packed 2t: the packed GEMM over weights packed once (`mtplx_ext.ops.linear`,
+  what a loaded model runs on the CPU), large weights split over 2 threads;
+* packed 1t: the same on one thread (`set_cpu_threads(1)`);
+* decode 2t: the BLAS shim's decode GEMM over the row-major weights, large
+  weights split over 2 threads;
+* decode 1t: the shim's decode GEMM on one thread (`set_gemm_split_bytes(None)`);
 * openblas: every product through OpenBLAS's sgemm.
 
 Besides the wall-time medians it prints each setting's least process CPU
@@ -40,16 +43,19 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtplx_ext import _blas
+from mtplx_ext.ops.linear import pack_linear_weight, packed_linear
+from mtplx_ext.ops.threads import set_cpu_threads
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
 
-SETTINGS = ("decode 2t", "decode 1t", "old", "openblas")
+SETTINGS = ("packed 2t", "packed 1t", "decode 2t", "decode 1t", "openblas")
 
 
 def apply(setting: str, split_bytes: int | None) -> None:
     """Routes decode-sized products as `setting` says."""
     _blas.set_small_gemm_rows(0 if setting == "openblas" else 64)
-    _blas.set_gemm_kernel("small" if setting == "old" else "decode")
+    _blas.set_gemm_kernel("decode")
     _blas.set_gemm_split_bytes(None if setting == "decode 1t" else split_bytes)
+    set_cpu_threads(1 if setting == "packed 1t" else 0)
 
 
 def trunk_weights(folder: Path) -> list[mx.array]:
@@ -67,7 +73,8 @@ def trunk_weights(folder: Path) -> list[mx.array]:
 
 def passes(weights: list[mx.array], rows: list[int], repeats: int, split_bytes: int | None) -> dict:
     xs = {(m, k): mx.random.normal((m, k)) for m in rows for k in {int(w.shape[1]) for w in weights}}
-    mx.eval(list(xs.values()))
+    packed = [(pack_linear_weight(w), int(w.shape[0])) for w in weights]
+    mx.eval(list(xs.values()), [p for p, _ in packed])
     times: dict[tuple[str, int], list[float]] = {}
     cpu: dict[tuple[str, int], list[float]] = {}
     for rep in range(repeats + 1):  # repeat 0 warms up
@@ -75,12 +82,16 @@ def passes(weights: list[mx.array], rows: list[int], repeats: int, split_bytes: 
             for s in SETTINGS:
                 apply(s, split_bytes)
                 t0, c0 = time.perf_counter(), time.process_time()
-                for w in weights:  # one product at a time, as a forward runs them
-                    mx.eval(xs[m, int(w.shape[1])] @ w.T)
+                if s.startswith("packed"):
+                    for wp, n in packed:
+                        mx.eval(packed_linear(xs[m, int(wp.shape[1])], wp, n))
+                else:
+                    for w in weights:  # one product at a time, as a forward runs them
+                        mx.eval(xs[m, int(w.shape[1])] @ w.T)
                 if rep:
                     times.setdefault((s, m), []).append(time.perf_counter() - t0)
                     cpu.setdefault((s, m), []).append(time.process_time() - c0)
-    apply("decode 2t", split_bytes)
+    apply("packed 2t", split_bytes)
     return {k: statistics.median(v) for k, v in times.items()}, {k: min(v) for k, v in cpu.items()}
 
 
@@ -165,22 +176,23 @@ def main() -> None:
     print(f"{len(weights)} weights, {nbytes / 1e9:.3f} GB; read bandwidth {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s "
           f"(before / after); streaming floor {floor * 1e3:.1f} ms; medians of {args.repeats} interleaved passes; "
           f"load average after {os.getloadavg()}")
-    print("| M | " + " | ".join(f"{s} ms" for s in SETTINGS) + " | decode 2t / floor | decode 2t / [1] | "
-          "openblas / decode 2t | old / decode 2t |")
-    print("|---:|" + "---:|" * (len(SETTINGS) + 4))
+    print("| M | " + " | ".join(f"{s} ms" for s in SETTINGS) + " | packed 2t / floor | packed 2t / [1] | "
+          "decode 2t / packed 2t | openblas / packed 2t | packed 2t GFLOP/s |")
+    print("|---:|" + "---:|" * (len(SETTINGS) + 5))
     for m in rows:
         v = [med[s, m] * 1e3 for s in SETTINGS]
         print(f"| {m} | " + " | ".join(f"{x:.1f}" for x in v) + f" | {v[0] / (floor * 1e3):.2f} | "
-              f"{med['decode 2t', m] / med['decode 2t', rows[0]]:.2f} | {v[3] / v[0]:.2f} | {v[2] / v[0]:.2f} |")
+              f"{med['packed 2t', m] / med['packed 2t', rows[0]]:.2f} | {v[2] / v[0]:.2f} | {v[4] / v[0]:.2f} | "
+              f"{2 * m * nbytes / 4 / med['packed 2t', m] / 1e9:.0f} |")
     # CPU time counts only the time this process ran, not the time other
     # processes held its core: on a loaded machine, the closer measure of a
     # kernel's own cost (it counts both threads of "decode 2t").
     print("\nprocess CPU time per pass, least of the repeats (ms):")
-    print("| M | " + " | ".join(SETTINGS) + " | decode 1t / [1] |")
+    print("| M | " + " | ".join(SETTINGS) + " | packed 1t / [1] |")
     print("|---:|" + "---:|" * (len(SETTINGS) + 1))
     for m in rows:
         print(f"| {m} | " + " | ".join(f"{cpu[s, m] * 1e3:.1f}" for s in SETTINGS) +
-              f" | {cpu['decode 1t', m] / cpu['decode 1t', rows[0]]:.2f} |")
+              f" | {cpu['packed 1t', m] / cpu['packed 1t', rows[0]]:.2f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

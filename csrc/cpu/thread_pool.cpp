@@ -103,6 +103,17 @@ const EnvThreads& env_threads() {
 std::atomic<int> g_override{0};
 std::atomic<long long> g_pool_jobs{0};
 
+// How long an idle worker spins for the next job before sleeping.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 class Pool {
  public:
   // Runs the job with up to `threads` threads; false when the pool is busy
@@ -128,6 +139,7 @@ class Pool {
         }
       }
       gen = ++gen_;
+      published_.store(gen, std::memory_order_release);
       fn_ = &f;
       n_ = n;
       participants_ = std::min(want, int(workers_.size()));
@@ -174,6 +186,17 @@ class Pool {
   void worker(int id, uint32_t seen) {
     std::unique_lock<std::mutex> lk(m_);
     while (true) {
+      if (!stop_ && gen_ == seen) {
+        // Jobs of a decode step (its GEMMs) come microseconds apart, less
+        // than a wake-up through the condition variable costs: spin first.
+        lk.unlock();
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (published_.load(std::memory_order_acquire) == seen &&
+               std::chrono::steady_clock::now() < until) {
+          spin_pause();
+        }
+        lk.lock();
+      }
       wake_.wait(lk, [&] { return stop_ || gen_ != seen; });
       if (stop_) {
         return;
@@ -228,6 +251,7 @@ class Pool {
   int participants_ = 0; // workers [0, participants_) take part in the job
   std::exception_ptr error_;
   std::atomic<uint64_t> claim_{0}; // job generation << 32 | next task
+  std::atomic<uint32_t> published_{0}; // gen_, readable without m_
   std::atomic<int> done_{0}; // tasks of the job finished
 };
 
@@ -370,6 +394,18 @@ int set_cpu_threads(int n) {
 
 long long pool_jobs() noexcept {
   return g_pool_jobs.load(std::memory_order_relaxed);
+}
+
+void parallel_for_pooled(
+    int n,
+    int threads,
+    const std::function<void(int)>& f) {
+  threads = std::min(threads, n);
+  if (threads < 2 || !pool()->run(n, threads, f)) {
+    for (int i = 0; i < n; ++i) {
+      f(i);
+    }
+  }
 }
 
 void parallel_for(

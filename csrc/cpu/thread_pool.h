@@ -53,4 +53,13 @@ void parallel_for(
     const std::function<void(int)>& f,
     double cost = 0);
 
+// parallel_for for jobs that always pay on more threads (products over
+// megabytes of weights): the pool whenever it is free, no measurements.
+// Tasks are claimed dynamically, so when a worker is preempted the caller
+// takes the tasks it has not started; cut a job into a few tasks per thread.
+void parallel_for_pooled(
+    int n,
+    int threads,
+    const std::function<void(int)>& f);
+
 } // namespace mtplx::cpu

@@ -33,6 +33,8 @@ import warnings as _warnings  # noqa: E402
 from mtplx_ext.sampling import SamplerConfig  # noqa: E402
 from mtplx_ext.ops import (  # noqa: E402
     gated_delta_capture,
+    pack_linear_weight,
+    packed_linear,
     restore_state,
     rms_norm,
     rope,
@@ -41,6 +43,7 @@ from mtplx_ext.ops import (  # noqa: E402
     scaled_dot_product_attention,
     snapshot_state,
     swiglu,
+    unpack_linear_weight,
     verify_greedy,
     verify_greedy_chain,
     verify_sampled,
@@ -54,6 +57,7 @@ from mtplx_ext.models.fused_modules import (  # noqa: E402
     FusedZeroCentredRMSNorm,
     fuse_cpu_ops,
 )
+from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, unpack_cpu_linears  # noqa: E402
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
 from mtplx_ext.engine import (  # noqa: E402
@@ -77,6 +81,7 @@ __all__ = [
     "FusedRoPE",
     "FusedZeroCentredRMSNorm",
     "MTPRuntime",
+    "PackedLinear",
     "RaggedKVCache",
     "Request",
     "SamplerConfig",
@@ -87,6 +92,9 @@ __all__ = [
     "generate_greedy_batched",
     "init_random",
     "load",
+    "pack_cpu_linears",
+    "pack_linear_weight",
+    "packed_linear",
     "restore_state",
     "rms_norm",
     "rope",
@@ -96,6 +104,8 @@ __all__ = [
     "scaled_dot_product_attention",
     "snapshot_state",
     "swiglu",
+    "unpack_cpu_linears",
+    "unpack_linear_weight",
     "verify_greedy",
     "verify_greedy_chain",
     "verify_sampled",

@@ -16,6 +16,7 @@ from mlx_lm.utils import load_model
 from safetensors.numpy import load_file, save_file
 
 import mtplx_ext
+from mtplx_ext.models.packed_linear import linears_unpacked
 
 CASES = [
     ("qwen3", "qwen3_next"),
@@ -108,7 +109,9 @@ def saved(folder: Path) -> dict[str, np.ndarray]:
 
 
 def params_np(rt) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in tree_flatten(rt.parameters())}
+    """Parameters as the files hold them: packed Linear layers (`load` packs them) unpacked."""
+    with linears_unpacked(rt):
+        return {k: np.array(v) for k, v in tree_flatten(rt.parameters())}
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)

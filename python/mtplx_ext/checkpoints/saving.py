@@ -17,6 +17,7 @@ from mlx.utils import tree_flatten
 from mtplx_ext import models
 from mtplx_ext._checks import as_int
 from mtplx_ext.checkpoints.loading import HEAD_FILE, INDEX_FILE
+from mtplx_ext.models.packed_linear import linears_unpacked
 from mtplx_ext.models.runtime import MTPRuntime
 
 
@@ -29,8 +30,9 @@ def save_runtime(runtime: MTPRuntime, path: str | Path) -> None:
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
-    head_w = head_checkpoint_weights(runtime)
+    with linears_unpacked(runtime):  # files hold row-major weights
+        trunk_w = dict(tree_flatten(runtime.trunk.parameters()))
+        head_w = head_checkpoint_weights(runtime)
     ours = {name for name, _ in trunk_shards(trunk_w)} | ({HEAD_FILE} if head_w else set())
     stale = sorted(f.name for f in path.glob("*.safetensors") if f.name not in ours)
     if stale:

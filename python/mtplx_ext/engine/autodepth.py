@@ -150,6 +150,7 @@ def _machine_key(runtime: Any) -> str:
     size = sum(v.nbytes for _, v in tree_flatten(runtime.parameters()))
     facts = {
         "config": getattr(runtime, "config", {}), "bytes": size, "fused": bool(getattr(runtime, "cpu_ops_fused", False)),
+        "packed": bool(getattr(runtime, "linears_packed", False)),
         "machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(),
         "threads": os.environ.get("MTPLX_CPU_THREADS", ""), "blas": _blas.describe(),
         "mlx": ver("mlx"), "mtplx-ext": ver("mtplx-ext"), "version": _CACHE_VERSION,

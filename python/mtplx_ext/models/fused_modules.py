@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from mtplx_ext import _ext
 from mtplx_ext.models.base import ZeroCentredRMSNorm
+from mtplx_ext.models.module_swap import swap_modules
 
 
 class FusedRMSNorm(nn.RMSNorm):
@@ -84,41 +85,12 @@ def fuse_cpu_ops(model: nn.Module) -> int:
     Raises:
         TypeError: model is not an nn.Module.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an mlx.nn.Module, got {type(model).__name__}")
-    swapped: dict[int, nn.Module] = {}
-    visited: set[int] = set()
 
-    def replacement(value: Any) -> Any:
+    def replacement(value: Any) -> nn.Module | None:
         cls = _FUSED_TYPES.get(type(value))
-        if cls is None:
-            return None
-        if id(value) not in swapped:
-            swapped[id(value)] = _fused_copy(value, cls)
-        return swapped[id(value)]
+        return None if cls is None else _fused_copy(value, cls)
 
-    def walk(node: Any) -> None:
-        if id(node) in visited:
-            return
-        visited.add(id(node))
-        if isinstance(node, (dict, list)):  # nn.Module is a dict
-            keys = list(node.keys()) if isinstance(node, dict) else range(len(node))
-            for key in keys:
-                child = node[key]
-                new = replacement(child)
-                if new is not None:
-                    node[key] = new
-                elif isinstance(child, tuple):
-                    items = [c if (r := replacement(c)) is None else r for c in child]
-                    if any(a is not b for a, b in zip(items, child)):
-                        node[key] = tuple(items)
-                    for c in node[key]:
-                        walk(c)
-                else:
-                    walk(child)
-
-    walk(model)
-    return len(swapped)
+    return swap_modules(model, replacement)
 
 
 __all__ = ["FusedRMSNorm", "FusedRoPE", "FusedZeroCentredRMSNorm", "fuse_cpu_ops"]

@@ -14,6 +14,7 @@ from mtplx_ext.cache import rollback
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 from mtplx_ext.models.fused_modules import fuse_cpu_ops
+from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, packing_available
 
 
 def _check_left_padding(left_padding: object) -> list[int]:
@@ -78,15 +79,17 @@ class MTPRuntime(nn.Module):
         """Whether `fuse_cpu_ops` ran (decoding then routes attention too)."""
         return self._cpu_ops_fused
 
-    def fuse_cpu_ops(self) -> int:
+    def fuse_cpu_ops(self, pack_linears: bool = True) -> int:
         """Swaps RMSNorm / RoPE modules of trunk and head for fused ones, in place.
 
         On MLX's CPU backend `mx.fast.rms_norm`, `rope` and attention expand
         into graphs of 8-20 nodes each, and a small decode forward is bound
         by per-node overhead; the fused modules are one node each (on a GPU
         stream they run `mx.fast`). Decoding also routes mlx-lm's attention
-        through the fused op while it runs. Same weights, same results up to
-        float32 rounding.
+        through the fused op while it runs. With `pack_linears`, when the
+        default device is the CPU and the CPU has vector FMAs, the float32
+        Linear layers are packed for the CPU decode GEMM (`pack_cpu_linears`).
+        Same weights, same results up to float32 rounding.
 
         Returns:
             The number of modules swapped.
@@ -94,7 +97,14 @@ class MTPRuntime(nn.Module):
 
         n = fuse_cpu_ops(self)
         object.__setattr__(self, "_cpu_ops_fused", True)
+        if pack_linears and mx.default_device() == mx.cpu and packing_available():
+            n += pack_cpu_linears(self)
         return n
+
+    @property
+    def linears_packed(self) -> bool:
+        """Whether any Linear layer is packed for the CPU decode GEMM."""
+        return any(isinstance(m, PackedLinear) for m in self.modules())
 
     @property
     def has_mtp(self) -> bool:

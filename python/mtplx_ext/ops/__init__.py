@@ -6,6 +6,7 @@
 * `gated_delta`: the gated-delta rule over a chunk plus the state after every position,
   and the routing of mlx-lm's GatedDeltaNet through it;
 * `fused`: single-node CPU RMSNorm, RoPE, attention and SwiGLU;
+* `linear`: Linear weights packed once and the CPU decode GEMM over them;
 * `threads`: the CPU kernels' thread count.
 
 Every wrapper raises TypeError / ValueError naming the bad argument before a
@@ -13,6 +14,7 @@ kernel touches memory.
 """
 
 from mtplx_ext.ops.fused import rms_norm, rope, scaled_dot_product_attention, swiglu
+from mtplx_ext.ops.linear import pack_linear_weight, packed_linear, unpack_linear_weight
 from mtplx_ext.ops.gated_delta import gated_delta_capture, route_gated_delta
 from mtplx_ext.ops.state_copy import restore_state, snapshot_state
 from mtplx_ext.ops.greedy_verify import verify_greedy, verify_greedy_chain
@@ -20,6 +22,8 @@ from mtplx_ext.ops.sampled_verify import row_uniforms, sample_tokens, sampler_pa
 
 __all__ = [
     "gated_delta_capture",
+    "pack_linear_weight",
+    "packed_linear",
     "restore_state",
     "rms_norm",
     "rope",
@@ -30,6 +34,7 @@ __all__ = [
     "scaled_dot_product_attention",
     "snapshot_state",
     "swiglu",
+    "unpack_linear_weight",
     "verify_greedy",
     "verify_greedy_chain",
     "verify_sampled",

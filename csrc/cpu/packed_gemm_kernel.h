@@ -1,0 +1,169 @@
+// The packed GEMM's loops (see packed_gemm.h) over a vector traits type T:
+// V (the vector), kLanes, kRows (rows per full tile), kCols (vectors per
+// tile of columns; kLanes * kCols divides kPackedPanel), zero, load, store,
+// set1, fma. Included by one file per instruction set, compiled with that
+// set enabled.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/packed_gemm.h"
+
+namespace mtplx::cpu::packed_detail {
+
+// Prefetch of the panel the thread computes next, spread over the current
+// panel's k steps: it arrives from memory while this one is computed (the
+// current panel is read again from L2 by every row tile after the first).
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+
+  inline void step() {
+    for (int q = 0; q < per_step && p < end; ++q, p += 64) {
+      __builtin_prefetch(p, 0, 2);
+    }
+  }
+};
+
+// A panel's k range is cut into chunks of at most this many k (192 KiB of
+// the panel): every row tile reads the chunk from L2, where a whole panel of
+// a wide K would not stay beside the next one being prefetched.
+constexpr int kKChunk = 1024;
+
+// Rows [i0, i0 + R) x the kCols vectors of columns at `col` of one panel,
+// k in [k0, k1): acc[i][j] += xt[k, i0 + i] * w[k, col + j * kLanes], k in
+// order, starting from zero at k0 = 0 and from `out` (the previous chunk's
+// sums, stored as float32: the chain goes on unchanged) after.
+template <class T, int R>
+inline void tile(
+    const Call& c,
+    int64_t i0,
+    const float* panel,
+    int col,
+    int k0,
+    int k1,
+    float* out,
+    int64_t ldo,
+    Prefetch& pf) {
+  using V = typename T::V;
+  constexpr int C = T::kCols;
+  constexpr int L = T::kLanes;
+  V acc[R][C];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) {
+      acc[i][j] = k0 == 0 ? T::zero() : T::load(out + i * ldo + j * L);
+    }
+  }
+  const float* xt = c.xt + int64_t(k0) * c.M + i0;
+  const float* w = panel + int64_t(k0) * kPackedPanel + col;
+  for (int k = k0; k < k1; ++k) {
+    pf.step();
+    V wv[C];
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) wv[j] = T::load(w + j * L);
+#pragma GCC unroll 16
+    for (int i = 0; i < R; ++i) {
+      const V xv = T::set1(xt[i]);
+#pragma GCC unroll 8
+      for (int j = 0; j < C; ++j) acc[i][j] = T::fma(xv, wv[j], acc[i][j]);
+    }
+    xt += c.M;
+    w += kPackedPanel;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 8
+    for (int j = 0; j < C; ++j) T::store(out + i * ldo + j * L, acc[i][j]);
+  }
+}
+
+// A run-time row count r in [1, T::kRows] to the tile for it.
+template <class T, int R = T::kRows>
+inline void tile_of(
+    int r,
+    const Call& c,
+    int64_t i0,
+    const float* panel,
+    int col,
+    int k0,
+    int k1,
+    float* out,
+    int64_t ldo,
+    Prefetch& pf) {
+  if constexpr (R >= 1) {
+    if (r == R) {
+      tile<T, R>(c, i0, panel, col, k0, k1, out, ldo, pf);
+    } else {
+      tile_of<T, R - 1>(r, c, i0, panel, col, k0, k1, out, ldo, pf);
+    }
+  }
+}
+
+// Panels [p0, p1) for every row: panel by panel, each against every row
+// tile, rows cut into as few tiles as kRows allows, of sizes as even as
+// possible. A panel's last columns beyond N go to a scratch tile.
+template <class T>
+inline void panels(const Call& c, int p0, int p1) {
+  constexpr int R = T::kRows;
+  constexpr int W = T::kLanes * T::kCols;  // columns per column tile
+  static_assert(kPackedPanel % W == 0);
+  const int64_t panel_floats = int64_t(c.K) * kPackedPanel;
+  const int64_t tiles = (c.M + R - 1) / R;
+  if (tiles == 0) {
+    return;
+  }
+  const int64_t rows = c.M / tiles, extra = c.M % tiles;
+  const int64_t steps = tiles * (kPackedPanel / W) * int64_t(c.K);
+  // The last panel's tiles when it is partial: every row tile's sums
+  // survive between k chunks (rows <= 64: at most 64 x 48 floats).
+  alignas(64) float scratch[64 * kPackedPanel];
+  Prefetch pf;
+  for (int p = p0; p < p1; ++p) {
+    const float* panel = c.wp + p * panel_floats;
+    if (c.M > 1 && p + 1 < p1) {  // one row only streams: nothing to overlap
+      pf.p = reinterpret_cast<const char*>(panel + panel_floats);
+      pf.end = pf.p + panel_floats * 4;
+      pf.per_step = int((panel_floats * 4 / 64 + steps - 1) / steps);
+    } else {
+      pf = Prefetch{};
+    }
+    const int n0 = p * kPackedPanel;
+    const bool full = n0 + kPackedPanel <= c.N;
+    for (int k0 = 0; k0 < c.K; k0 += kKChunk) {
+      const int k1 = std::min(c.K, k0 + kKChunk);
+      int64_t i0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int r = int(rows + (t < extra));
+        float* dst = full ? c.y + i0 * c.N + n0 : scratch + t * R * kPackedPanel;
+        const int64_t ld = full ? c.N : kPackedPanel;
+        for (int col = 0; col < kPackedPanel; col += W) {
+          if (full || n0 + col < c.N) {
+            tile_of<T>(r, c, i0, panel, col, k0, k1, dst + col, ld, pf);
+          }
+        }
+        i0 += r;
+      }
+    }
+    if (!full) {  // the last panel's valid columns, from its scratch tiles
+      const int valid = c.N - n0;
+      int64_t i0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int r = int(rows + (t < extra));
+        for (int i = 0; i < r; ++i) {
+          std::memcpy(
+              c.y + (i0 + i) * c.N + n0,
+              scratch + (t * R + i) * kPackedPanel,
+              sizeof(float) * valid);
+        }
+        i0 += r;
+      }
+    }
+  }
+}
+
+} // namespace mtplx::cpu::packed_detail

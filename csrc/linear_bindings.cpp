@@ -1,0 +1,40 @@
+// Python bindings of the packed Linear ops (called from module.cpp).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+
+#include "linear_ops.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mtplx {
+
+void bind_linear(nb::module_& m) {
+  m.def(
+      "pack_linear_weight",
+      &mtplx::pack_linear_weight,
+      "weight"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def(
+      "unpack_linear_weight",
+      &mtplx::unpack_linear_weight,
+      "w_packed"_a,
+      "n"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def(
+      "packed_linear",
+      &mtplx::packed_linear,
+      "x"_a,
+      "w_packed"_a,
+      "n"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def("packed_linear_isa", &mtplx::packed_linear_isa);
+  m.attr("PACKED_PANEL") = 48;
+}
+
+} // namespace mtplx

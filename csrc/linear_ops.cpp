@@ -1,0 +1,97 @@
+#include "linear_ops.h"
+
+#include <string>
+
+#include "arg_checks.h"
+#include "cpu/packed_gemm.h"
+#include "linear_primitives.h"
+#include "mlx/ops.h"
+
+namespace mtplx {
+
+namespace {
+
+void check_packed(const mx::array& w_packed, int n) {
+  if (w_packed.dtype() != mx::float32) {
+    bad_arg("w_packed must be float32");
+  }
+  if (w_packed.ndim() != 3 || w_packed.shape(2) != kPackedPanel ||
+      w_packed.shape(0) < 1 || w_packed.shape(1) < 1) {
+    bad_arg(
+        "w_packed must have shape [P, K, " + std::to_string(kPackedPanel) +
+        "] with P, K >= 1, got " + shape_str(w_packed.shape()));
+  }
+  const int64_t P = w_packed.shape(0);
+  if (n <= (P - 1) * kPackedPanel || n > P * kPackedPanel) {
+    bad_arg(
+        "n must be in (" + std::to_string((P - 1) * kPackedPanel) + ", " +
+        std::to_string(P * kPackedPanel) + "] for " + std::to_string(P) +
+        " panels, got " + std::to_string(n));
+  }
+}
+
+} // namespace
+
+mx::array pack_linear_weight(const mx::array& weight, mx::StreamOrDevice s) {
+  if (weight.dtype() != mx::float32) {
+    bad_arg("weight must be float32");
+  }
+  if (weight.ndim() != 2 || weight.shape(0) < 1 || weight.shape(1) < 1) {
+    bad_arg(
+        "weight must have shape [N, K] with N, K >= 1, got " +
+        shape_str(weight.shape()));
+  }
+  const int N = weight.shape(0), K = weight.shape(1);
+  const int P = (N + kPackedPanel - 1) / kPackedPanel;
+  mx::array w = weight;
+  if (P * kPackedPanel != N) {
+    w = mx::pad(w, {{0, P * kPackedPanel - N}, {0, 0}}, mx::array(0.0f), "constant", s);
+  }
+  w = mx::reshape(w, {P, kPackedPanel, K}, s);
+  return mx::contiguous(mx::transpose(w, {0, 2, 1}, s), false, s);
+}
+
+mx::array unpack_linear_weight(const mx::array& w_packed, int n, mx::StreamOrDevice s) {
+  check_packed(w_packed, n);
+  const int P = w_packed.shape(0), K = w_packed.shape(1);
+  auto w = mx::reshape(
+      mx::transpose(w_packed, {0, 2, 1}, s), {P * kPackedPanel, K}, s);
+  return mx::contiguous(mx::slice(w, {0, 0}, {n, K}, s), false, s);
+}
+
+mx::array packed_linear(
+    const mx::array& x,
+    const mx::array& w_packed,
+    int n,
+    mx::StreamOrDevice s) {
+  check_packed(w_packed, n);
+  if (x.dtype() != mx::float32) {
+    bad_arg("x must be float32");
+  }
+  if (x.ndim() < 1 || x.shape(-1) != w_packed.shape(1)) {
+    bad_arg(
+        "x must have shape [..., K] with K = w_packed.shape[1] = " +
+        std::to_string(w_packed.shape(1)) + ", got " + shape_str(x.shape()));
+  }
+  auto st = mx::to_stream(s);
+  if (st.device.type == mx::Device::gpu) {
+    bad_arg("packed_linear runs on the CPU only (stream is a GPU stream)");
+  }
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(
+      shape,
+      mx::float32,
+      std::make_shared<PackedLinear>(st, n),
+      {mx::contiguous(x, false, st), mx::contiguous(w_packed, false, st)});
+}
+
+const char* packed_linear_isa() {
+  return cpu::packed_gemm_isa();
+}
+
+void PackedLinear::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("PackedLinear has no GPU kernel");
+}
+
+} // namespace mtplx

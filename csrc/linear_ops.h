@@ -1,0 +1,33 @@
+// Packed Linear weights for the CPU decode GEMM (cpu/packed_gemm.h).
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+// W [N, K] float32 -> [ceil(N / 48), K, 48]: panels of 48 output columns,
+// each column of a panel contiguous over k, the last panel zero padded.
+mx::array pack_linear_weight(const mx::array& weight, mx::StreamOrDevice s = {});
+
+// The inverse: [P, K, 48] -> W [n, K] (n in (48 (P - 1), 48 P]).
+mx::array unpack_linear_weight(
+    const mx::array& w_packed,
+    int n,
+    mx::StreamOrDevice s = {});
+
+// x [..., K] float32 @ W^T for W packed by pack_linear_weight, n = W's rows:
+// [..., n] float32. Every row's result is one FMA chain over k in order,
+// whatever the other rows of x. CPU streams only.
+mx::array packed_linear(
+    const mx::array& x,
+    const mx::array& w_packed,
+    int n,
+    mx::StreamOrDevice s = {});
+
+// "avx512", "avx2", "neon" or "generic": the kernel this CPU runs.
+const char* packed_linear_isa();
+
+} // namespace mtplx

@@ -1,0 +1,44 @@
+// PackedLinear: y = x W^T over a weight packed once into panels
+// (cpu/packed_gemm.h), the decode-time Linear product on MLX's CPU backend.
+// CPU only: the op refuses GPU streams (MLX's Metal matmul needs no packing).
+// Inference only: there is no vjp / jvp (training uses nn.Linear).
+#pragma once
+
+#include <vector>
+
+#include "mlx/primitives.h"
+
+namespace mtplx {
+
+namespace mx = mlx::core;
+
+// Inputs: x [..., K] float32 (row contiguous), w_packed [P, K, kPackedPanel]
+// float32 (row contiguous). Output: [..., N] float32, row contiguous.
+class PackedLinear : public mx::UnaryPrimitive {
+ public:
+  PackedLinear(mx::Stream stream, int n) : mx::UnaryPrimitive(stream), n_(n) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "PackedLinear";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return n_ == static_cast<const PackedLinear&>(other).n_;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = n_;
+    return {shape};
+  }
+  int n() const {
+    return n_;
+  }
+
+ private:
+  int n_;
+};
+
+} // namespace mtplx

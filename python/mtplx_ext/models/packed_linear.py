@@ -1,0 +1,122 @@
+"""`PackedLinear` and `pack_cpu_linears` / `unpack_cpu_linears`, which swap it in and out of a model.
+
+A decoding model on MLX's CPU backend spends its step in the Linear layers'
+products of a few rows by each weight (`mtplx_ext.ops.linear` says why the
+packed layout is faster there). `pack_cpu_linears` replaces every float32
+`nn.Linear` of a module tree by a `PackedLinear` holding the weight packed
+once, in place of the row-major copy (no extra memory). The packed weight is
+the module's parameter `weight_packed`; `weight` stays readable (unpacked
+lazily, bit for bit). `unpack_cpu_linears` restores plain `nn.Linear`s, which
+saving a model and training need: a packed model is for decoding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtplx_ext.models.module_swap import swap_modules
+from mtplx_ext.ops import linear as linear_ops
+
+
+class PackedLinear(nn.Module):
+    """An `nn.Linear` whose float32 weight is stored packed for the CPU decode GEMM.
+
+    On a CPU default device the product is `packed_linear`; on a GPU it is
+    `x @ weight.T` over the weight unpacked per call (correct, not fast: pack
+    only models that decode on the CPU).
+    """
+
+    def __init__(self, weight: mx.array, bias: mx.array | None = None):
+        super().__init__()
+        if weight.ndim != 2 or weight.dtype != mx.float32:
+            raise ValueError(f"weight must be a 2-D float32 array, got {weight.dtype} {tuple(weight.shape)}")
+        self.weight_packed = linear_ops.pack_linear_weight(weight)
+        if bias is not None:
+            self.bias = bias
+        object.__setattr__(self, "output_dims", int(weight.shape[0]))
+        object.__setattr__(self, "input_dims", int(weight.shape[1]))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        new = cls(linear.weight, linear.get("bias"))
+        mx.eval(new.parameters())  # the row-major weight is no longer referenced
+        if "weight" not in linear.trainable_parameters():
+            new.freeze()
+        return new
+
+    @property
+    def weight(self) -> mx.array:
+        """The row-major weight [output_dims, input_dims], unpacked lazily."""
+        return linear_ops.unpack_linear_weight(self.weight_packed, self.output_dims)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain `nn.Linear` with this module's weight and bias."""
+        lin = nn.Linear(self.input_dims, self.output_dims, bias="bias" in self)
+        lin.weight = self.weight
+        if "bias" in self:
+            lin.bias = self.bias
+        mx.eval(lin.parameters())
+        if "weight_packed" not in self.trainable_parameters():
+            lin.freeze()
+        return lin
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if mx.default_device() == mx.cpu and x.dtype == mx.float32:
+            y = linear_ops.packed_linear(x, self.weight_packed, self.output_dims)
+        else:
+            y = x @ self.weight.T
+        return y + self.bias if "bias" in self else y
+
+    def _extra_repr(self) -> str:
+        return f"input_dims={self.input_dims}, output_dims={self.output_dims}, bias={'bias' in self}, packed"
+
+
+def packing_available() -> bool:
+    """Whether this CPU runs the packed GEMM with vector FMAs (AVX2 / AVX-512 / NEON)."""
+    return linear_ops.packed_linear_isa() != "generic"
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Replaces, in place, every float32 `nn.Linear` (exact type) below `model` by a `PackedLinear`.
+
+    Quantized, half-precision and sharded layers (other types or dtypes) are
+    left alone. Decoded tokens are those of the unpacked model up to float32
+    rounding (the products sum in another order).
+
+    Returns:
+        How many modules were replaced.
+
+    Raises:
+        TypeError: model is not an nn.Module.
+    """
+
+    def replacement(value: Any) -> nn.Module | None:
+        if type(value) is nn.Linear and value.weight.dtype == mx.float32 and value.weight.ndim == 2:
+            return PackedLinear.from_linear(value)
+        return None
+
+    return swap_modules(model, replacement)
+
+
+def unpack_cpu_linears(model: nn.Module) -> int:
+    """The inverse of `pack_cpu_linears`: every `PackedLinear` back to an `nn.Linear`, bit for bit."""
+    return swap_modules(model, lambda v: v.to_linear() if isinstance(v, PackedLinear) else None)
+
+
+@contextmanager
+def linears_unpacked(model: nn.Module) -> Iterator[int]:
+    """Within the block the model's `PackedLinear`s are `nn.Linear`s (saving, converting); packed again after."""
+    n = unpack_cpu_linears(model)
+    try:
+        yield n
+    finally:
+        if n:
+            pack_cpu_linears(model)
+
+
+__all__ = ["PackedLinear", "linears_unpacked", "pack_cpu_linears", "packing_available", "unpack_cpu_linears"]
