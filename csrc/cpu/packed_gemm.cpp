@@ -72,23 +72,37 @@ void packed_gemm(
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - b0);
     xt.resize(size_t(rows) * K);
-    for (int64_t i = 0; i < rows; ++i) {
-      const float* xr = x + (b0 + i) * K;
-      for (int k = 0; k < K; ++k) {
-        xt[size_t(k) * rows + i] = xr[k];
+    // k outer: the rows' current cache lines stay in L1, writes are in order.
+    const float* xb = x + b0 * K;
+    float* out = xt.data();
+    for (int k = 0; k < K; ++k) {
+      for (int64_t i = 0; i < rows; ++i) {
+        *out++ = xb[i * K + k];
       }
     }
     const Call c{xt.data(), rows, K, wp, N, y + b0 * N};
     if (parts == 1) {
       fn(c, 0, P);
     } else {
-      // Runs of panels, a few per thread: a preempted worker's runs are
-      // taken by the caller.
-      const int tasks = std::min(P, 4 * parts);
+      // Runs of panels claimed in order: first one long run per thread
+      // (three quarters of the panels), then two short runs per thread, so
+      // that a thread that is behind (preempted, or woken late) leaves only
+      // short runs to the others at the end.
+      // Fewer panels than that: one run per panel.
+      const bool guided = P >= 3 * parts;
+      const int tasks = guided ? 3 * parts : P;
+      const int64_t head = int64_t(P) * 3 / 4;
+      const auto bound = [&](int t) -> int {
+        if (!guided) {
+          return t;
+        }
+        if (t <= parts) {
+          return int(head * t / parts);
+        }
+        return int(head + (P - head) * (t - parts) / (tasks - parts));
+      };
       parallel_for_pooled(tasks, parts, [&](int t) {
-        const int p0 = int(int64_t(P) * t / tasks);
-        const int p1 = int(int64_t(P) * (t + 1) / tasks);
-        fn(c, p0, p1);
+        fn(c, bound(t), bound(t + 1));
       });
     }
   }

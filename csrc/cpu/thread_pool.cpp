@@ -104,7 +104,7 @@ std::atomic<int> g_override{0};
 std::atomic<long long> g_pool_jobs{0};
 
 // How long an idle worker spins for the next job before sleeping.
-constexpr auto kSpin = std::chrono::microseconds(50);
+constexpr auto kSpin = std::chrono::microseconds(1000);
 
 inline void spin_pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -150,6 +150,13 @@ class Pool {
     g_pool_jobs.fetch_add(1, std::memory_order_relaxed);
     wake_.notify_all();
     work(gen, n, &f);
+    // The workers are usually finishing their last task: spin for them
+    // before sleeping (a wake-up costs more than most of these waits).
+    const auto until = std::chrono::steady_clock::now() + kSpin;
+    while (done_.load(std::memory_order_acquire) != n &&
+           std::chrono::steady_clock::now() < until) {
+      spin_pause();
+    }
     std::exception_ptr err;
     {
       std::unique_lock<std::mutex> lk(m_);
