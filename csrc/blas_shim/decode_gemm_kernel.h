@@ -10,26 +10,15 @@
 #include <cstdint>
 
 #include "decode_gemm.h"
+#include "../cpu/prefetch_stream.h"
 
 namespace mtplx::decode_detail {
 
 // Bytes of B per column block: well inside one core's L2 next to A.
 constexpr int64_t kBlockBytes = 256 * 1024;
 
-// A software prefetch stream over the next column block of B, advanced a
-// few cache lines per vector step of the current block's tiles: the next
-// block arrives from memory while this one is computed from L2.
-struct Prefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int per_step = 0;
-
-  inline void step() {
-    for (int q = 0; q < per_step && p < end; ++q, p += 64) {
-      __builtin_prefetch(p, 0, 3);
-    }
-  }
-};
+// The next column block of B is prefetched into L1 (cpu/prefetch_stream.h).
+using Prefetch = PrefetchStream<3>;
 
 // Rows [i0, i0 + R) x columns [n, n + C): full-K dot products, stored.
 template <class T, int R, int C>
@@ -129,9 +118,10 @@ inline void columns(const Args& g, int M, int n0, int n1) {
     const int b2 = b1 + block < n1 ? b1 + int(block) : n1;
     // One or two rows only stream B: nothing to overlap the next block with.
     if (M > 2) {
-      pf.p = reinterpret_cast<const char*>(g.b + int64_t(b1) * g.ldb);
-      pf.end = reinterpret_cast<const char*>(g.b + int64_t(b2) * g.ldb);
-      pf.per_step = int(((pf.end - pf.p) / 64 + steps - 1) / steps);
+      pf.aim(
+          reinterpret_cast<const char*>(g.b + int64_t(b1) * g.ldb),
+          reinterpret_cast<const char*>(g.b + int64_t(b2) * g.ldb),
+          steps);
     }
     for (int t = 0, i = 0; t < tiles; ++t) {
       const int r = rows + (t < extra);

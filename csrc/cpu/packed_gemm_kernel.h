@@ -10,23 +10,14 @@
 #include <cstring>
 
 #include "cpu/packed_gemm.h"
+#include "cpu/prefetch_stream.h"
 
 namespace mtplx::cpu::packed_detail {
 
-// Prefetch of the panel the thread computes next, spread over the current
-// panel's k steps: it arrives from memory while this one is computed (the
-// current panel is read again from L2 by every row tile after the first).
-struct Prefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  int per_step = 0;
-
-  inline void step() {
-    for (int q = 0; q < per_step && p < end; ++q, p += 64) {
-      __builtin_prefetch(p, 0, 2);
-    }
-  }
-};
+// The panel the thread computes next is prefetched into L2 while the current
+// one is computed (it is read again from L2 by every row tile after the
+// first): cpu/prefetch_stream.h.
+using Prefetch = PrefetchStream<2>;
 
 // A panel's k range is cut into chunks of at most this many k (192 KiB of
 // the panel): every row tile reads the chunk from L2, where a whole panel of
@@ -126,9 +117,8 @@ inline void panels(const Call& c, int p0, int p1) {
   for (int p = p0; p < p1; ++p) {
     const float* panel = c.wp + p * panel_floats;
     if (c.M > 1 && p + 1 < p1) {  // one row only streams: nothing to overlap
-      pf.p = reinterpret_cast<const char*>(panel + panel_floats);
-      pf.end = pf.p + panel_floats * 4;
-      pf.per_step = int((panel_floats * 4 / 64 + steps - 1) / steps);
+      const char* next = reinterpret_cast<const char*>(panel + panel_floats);
+      pf.aim(next, next + panel_floats * 4, steps);
     } else {
       pf = Prefetch{};
     }
