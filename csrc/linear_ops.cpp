@@ -45,13 +45,21 @@ mx::array pack_linear_weight(const mx::array& weight, mx::StreamOrDevice s) {
   const int P = (N + kPackedPanel - 1) / kPackedPanel;
   mx::array w = weight;
   if (P * kPackedPanel != N) {
-    w = mx::pad(w, {{0, P * kPackedPanel - N}, {0, 0}}, mx::array(0.0f), "constant", s);
+    w = mx::pad(
+        w,
+        {{0, P * kPackedPanel - N}, {0, 0}},
+        mx::array(0.0f),
+        "constant",
+        s);
   }
   w = mx::reshape(w, {P, kPackedPanel, K}, s);
   return mx::contiguous(mx::transpose(w, {0, 2, 1}, s), false, s);
 }
 
-mx::array unpack_linear_weight(const mx::array& w_packed, int n, mx::StreamOrDevice s) {
+mx::array unpack_linear_weight(
+    const mx::array& w_packed,
+    int n,
+    mx::StreamOrDevice s) {
   check_packed(w_packed, n);
   const int P = w_packed.shape(0), K = w_packed.shape(1);
   auto w = mx::reshape(

@@ -10,7 +10,9 @@ namespace mx = mlx::core;
 
 // W [N, K] float32 -> [ceil(N / 48), K, 48]: panels of 48 output columns,
 // each column of a panel contiguous over k, the last panel zero padded.
-mx::array pack_linear_weight(const mx::array& weight, mx::StreamOrDevice s = {});
+mx::array pack_linear_weight(
+    const mx::array& weight,
+    mx::StreamOrDevice s = {});
 
 // The inverse: [P, K, 48] -> W [n, K] (n in (48 (P - 1), 48 P]).
 mx::array unpack_linear_weight(

@@ -66,7 +66,8 @@ void packed_gemm(
     int threads) {
   const int P = (N + kPackedPanel - 1) / kPackedPanel;
   const int64_t w_bytes = int64_t(P) * K * kPackedPanel * 4;
-  const int parts = (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
+  const int parts =
+      (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
   thread_local std::vector<float> xt;
   const PanelsFn fn = isa().fn;
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {

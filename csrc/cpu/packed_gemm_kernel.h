@@ -129,7 +129,8 @@ inline void panels(const Call& c, int p0, int p1) {
       int64_t i0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int r = int(rows + (t < extra));
-        float* dst = full ? c.y + i0 * c.N + n0 : scratch + t * R * kPackedPanel;
+        float* dst =
+            full ? c.y + i0 * c.N + n0 : scratch + t * R * kPackedPanel;
         const int64_t ld = full ? c.N : kPackedPanel;
         for (int col = 0; col < kPackedPanel; col += W) {
           if (full || n0 + col < c.N) {

@@ -47,6 +47,21 @@ def test_module_matches_nn_linear(rng, bias: bool) -> None:
         assert mx.array_equal(back.bias, lin.bias).item()
 
 
+def test_half_precision_inputs_promote_as_nn_linear_does(rng) -> None:
+    lin = nn.Linear(40, 60)
+    p = PackedLinear.from_linear(lin)
+    for dtype in (mx.float16, mx.bfloat16):
+        x = mx.array(rng.standard_normal((3, 40)).astype(np.float32)).astype(dtype)
+        want = lin(x)
+        got = p(x)
+        assert got.dtype == want.dtype == mx.float32
+        x64 = np.array(x.astype(mx.float32), dtype=np.float64)
+        w64 = np.array(lin.weight, dtype=np.float64)
+        ref = x64 @ w64.T + np.array(lin.bias, dtype=np.float64)
+        bound = 42 * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T + np.abs(np.array(lin.bias)))
+        assert np.all(np.abs(np.array(got) - ref) <= bound)
+
+
 def test_swap_packs_float32_linears_only_and_keeps_frozen_state() -> None:
     class Net(nn.Module):
         def __init__(self) -> None:

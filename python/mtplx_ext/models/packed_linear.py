@@ -66,8 +66,9 @@ class PackedLinear(nn.Module):
         return lin
 
     def __call__(self, x: mx.array) -> mx.array:
-        if mx.default_device() == mx.cpu and x.dtype == mx.float32:
-            y = linear_ops.packed_linear(x, self.weight_packed, self.output_dims)
+        if mx.default_device() == mx.cpu and mx.issubdtype(x.dtype, mx.floating):
+            # float16 / bfloat16 inputs promote to float32, as x @ W.T would.
+            y = linear_ops.packed_linear(x.astype(mx.float32), self.weight_packed, self.output_dims)
         else:
             y = x @ self.weight.T
         return y + self.bias if "bias" in self else y
