@@ -74,7 +74,7 @@ def main() -> int:
         mx.reset_peak_memory()
         before = mx.get_active_memory()  # the previous job's model is still alive
         rt = mtplx_ext.load(folder, group=group, parallel=job["parallel"], head=job.get("head"),
-                          fuse_cpu_ops=False)
+                          fuse_cpu_ops=job.get("fuse", False))
         load_peak = mx.get_peak_memory() - before
         dog.beat()
         nbytes = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))
@@ -82,7 +82,8 @@ def main() -> int:
             result = (_generate if job["task"] == "generate" else _engine)(rt, job, group, dog)
         except DistributedError as e:  # recorded: a test makes the ranks diverge on purpose
             result = {"error": str(e)}
-        results[job["name"]] = {"param_bytes": nbytes, "load_peak_bytes": load_peak, "result": result}
+        results[job["name"]] = {"param_bytes": nbytes, "load_peak_bytes": load_peak, "result": result,
+                                "packed": bool(rt.linears_packed)}
         with open(f"{sys.argv[2]}.{group.rank()}.json", "w") as f:
             json.dump({"rank": group.rank(), "size": group.size(), "jobs": results}, f)
     dog.close()

@@ -101,6 +101,8 @@ def run(tmp_path_factory):
     want["engine"] = _engine_oracle(rt, job)
     whole["engine"] = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))
     jobs.append(job)
+    # The same on fused ranks: their tensor-parallel shards packed for the CPU GEMM.
+    jobs.append({**job, "name": "engine_packed", "fuse": True})
     # The broken variant: rank 1 loads another model of the same shape (plain decoding, so both ranks
     # still run the same number of forwards); the agreement check must catch it.
     mtplx_ext.init_random("qwen3", seed=int(rng.integers(0, 2**31))).save(tmp / "other")
@@ -128,11 +130,13 @@ def test_two_ranks_commit_one_process_tokens(run, name):
             assert g["checks"] >= 1  # the ranks compared their commits
 
 
-def test_lockstep_engine_with_random_arrivals_equals_one_process(run):
+@pytest.mark.parametrize("name", ["engine", "engine_packed"])
+def test_lockstep_engine_with_random_arrivals_equals_one_process(run, name):
     _, want, whole, outs = run
-    assert outs[0]["jobs"]["engine"]["result"] == want["engine"]
+    assert outs[0]["jobs"][name]["result"] == want["engine"]
     assert all(len(t) > 0 for t in want["engine"])
-    assert outs[1]["jobs"]["engine"]["param_bytes"] < whole["engine"]
+    assert outs[1]["jobs"][name]["param_bytes"] < whole["engine"]
+    assert all(o["jobs"][name]["packed"] == (name == "engine_packed") for o in outs)
 
 
 def test_ranks_that_commit_different_tokens_are_caught(run):

@@ -105,3 +105,29 @@ def test_runtime_packs_on_load_and_saves_row_major(tmp_path, rng) -> None:
     theirs = dict(tree_flatten(back.parameters()))
     assert ours.keys() == theirs.keys()
     assert all(mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+
+
+@pytest.mark.parametrize("kind", ["all_to_sharded", "sharded_to_all"])
+def test_tensor_parallel_layers_are_packed_with_their_group(rng, kind: str) -> None:
+    """On a group of one, all_sum is the identity: the packed shard equals mlx's layer."""
+    from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
+
+    group = mx.distributed.init()
+    lin = nn.Linear(56, 72)
+    cls = AllToShardedLinear if kind == "all_to_sharded" else ShardedToAllLinear
+    tp = cls.from_linear(lin, group=group)
+    holder = nn.Module()
+    holder.layer = tp
+    assert pack_cpu_linears(holder) == 1
+    p = holder.layer
+    assert isinstance(p, PackedLinear) and p.sharded == kind and p.group is group
+    x = mx.array(rng.standard_normal((5, 56)).astype(np.float32))
+    x64 = np.array(x, dtype=np.float64)
+    w64 = np.array(tp.weight, dtype=np.float64)
+    ref = x64 @ w64.T + np.array(tp.bias, dtype=np.float64)
+    bound = 58 * 2.0**-24 * (np.abs(x64) @ np.abs(w64).T + np.abs(np.array(tp.bias)))
+    assert np.all(np.abs(np.array(p(x)) - ref) <= bound)
+    assert unpack_cpu_linears(holder) == 1
+    assert type(holder.layer) is cls and holder.layer.group is group
+    assert mx.array_equal(holder.layer.weight, tp.weight).item()
+    assert np.allclose(np.array(holder.layer(x)), np.array(tp(x)), rtol=0, atol=0)

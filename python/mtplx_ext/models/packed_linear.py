@@ -18,9 +18,16 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 
 from mtplx_ext.models.module_swap import swap_modules
 from mtplx_ext.ops import linear as linear_ops
+
+
+#: mlx's tensor-parallel Linear layers and how the packed form runs them: an
+#: all-to-sharded layer's product is local, a sharded-to-all layer's partial
+#: products are summed over the group before the bias (as mlx's own layers do).
+_SHARDED = {AllToShardedLinear: "all_to_sharded", ShardedToAllLinear: "sharded_to_all"}
 
 
 class PackedLinear(nn.Module):
@@ -28,11 +35,19 @@ class PackedLinear(nn.Module):
 
     On a CPU default device the product is `packed_linear`; on a GPU it is
     `x @ weight.T` over the weight unpacked per call (correct, not fast: pack
-    only models that decode on the CPU).
+    only models that decode on the CPU). With `sharded` it stands for one of
+    mlx's tensor-parallel layers (its shard of the weight, its `group`); it is
+    for inference only, like every packed layer.
     """
 
-    def __init__(self, weight: mx.array, bias: mx.array | None = None):
+    def __init__(
+        self, weight: mx.array, bias: mx.array | None = None, sharded: str | None = None, group: Any = None
+    ):
         super().__init__()
+        if sharded not in (None, *_SHARDED.values()):
+            raise ValueError(f"sharded must be None or one of {sorted(_SHARDED.values())}, got {sharded!r}")
+        object.__setattr__(self, "sharded", sharded)
+        object.__setattr__(self, "group", group)
         if weight.ndim != 2 or weight.dtype != mx.float32:
             raise ValueError(f"weight must be a 2-D float32 array, got {weight.dtype} {tuple(weight.shape)}")
         self.weight_packed = linear_ops.pack_linear_weight(weight)
@@ -42,8 +57,10 @@ class PackedLinear(nn.Module):
         object.__setattr__(self, "input_dims", int(weight.shape[1]))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
-        new = cls(linear.weight, linear.get("bias"))
+    def from_linear(cls, linear: nn.Module) -> PackedLinear:
+        """The packed form of an `nn.Linear` or of one of mlx's tensor-parallel Linear layers."""
+        sharded = _SHARDED.get(type(linear))
+        new = cls(linear.weight, linear.get("bias"), sharded, getattr(linear, "group", None))
         mx.eval(new.parameters())  # the row-major weight is no longer referenced
         if "weight" not in linear.trainable_parameters():
             new.freeze()
@@ -54,9 +71,15 @@ class PackedLinear(nn.Module):
         """The row-major weight [output_dims, input_dims], unpacked lazily."""
         return linear_ops.unpack_linear_weight(self.weight_packed, self.output_dims)
 
-    def to_linear(self) -> nn.Linear:
-        """A plain `nn.Linear` with this module's weight and bias."""
-        lin = nn.Linear(self.input_dims, self.output_dims, bias="bias" in self)
+    def to_linear(self) -> nn.Module:
+        """The unpacked layer: an `nn.Linear` (or the tensor-parallel layer it came from) with this weight and bias."""
+        if self.sharded is None:
+            lin = nn.Linear(self.input_dims, self.output_dims, bias="bias" in self)
+        else:
+            cls = next(c for c, mode in _SHARDED.items() if mode == self.sharded)
+            lin = cls.__new__(cls)
+            nn.Module.__init__(lin)
+            lin.group = self.group
         lin.weight = self.weight
         if "bias" in self:
             lin.bias = self.bias
@@ -71,10 +94,13 @@ class PackedLinear(nn.Module):
             y = linear_ops.packed_linear(x.astype(mx.float32), self.weight_packed, self.output_dims)
         else:
             y = x @ self.weight.T
+        if self.sharded == "sharded_to_all":
+            y = mx.distributed.all_sum(y, group=self.group)
         return y + self.bias if "bias" in self else y
 
     def _extra_repr(self) -> str:
-        return f"input_dims={self.input_dims}, output_dims={self.output_dims}, bias={'bias' in self}, packed"
+        how = f"packed, {self.sharded}" if self.sharded else "packed"
+        return f"input_dims={self.input_dims}, output_dims={self.output_dims}, bias={'bias' in self}, {how}"
 
 
 def packing_available() -> bool:
@@ -83,10 +109,12 @@ def packing_available() -> bool:
 
 
 def pack_cpu_linears(model: nn.Module) -> int:
-    """Replaces, in place, every float32 `nn.Linear` (exact type) below `model` by a `PackedLinear`.
+    """Replaces, in place, every float32 `nn.Linear` below `model` by a `PackedLinear`.
 
-    Quantized, half-precision and sharded layers (other types or dtypes) are
-    left alone. Decoded tokens are those of the unpacked model up to float32
+    Exact types only: `nn.Linear` and mlx's tensor-parallel
+    `AllToShardedLinear` / `ShardedToAllLinear` (their shards packed, the
+    sum over the group kept); quantized and half-precision layers are left
+    alone. Decoded tokens are those of the unpacked model up to float32
     rounding (the products sum in another order).
 
     Returns:
@@ -97,7 +125,8 @@ def pack_cpu_linears(model: nn.Module) -> int:
     """
 
     def replacement(value: Any) -> nn.Module | None:
-        if type(value) is nn.Linear and value.weight.dtype == mx.float32 and value.weight.ndim == 2:
+        kind = type(value)
+        if (kind is nn.Linear or kind in _SHARDED) and value.weight.dtype == mx.float32 and value.weight.ndim == 2:
             return PackedLinear.from_linear(value)
         return None
 
