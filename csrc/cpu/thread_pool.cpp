@@ -106,12 +106,12 @@ std::atomic<long long> g_pool_jobs{0};
 // How long an idle worker spins for the next job before sleeping.
 constexpr auto kSpin = std::chrono::microseconds(1000);
 
+// One turn of a spin wait: yields the core to any other runnable thread
+// (another process's, e.g. a second rank on the same cores), so spinning
+// never holds a core that someone else needs; when none is runnable it
+// returns at once.
 inline void spin_pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
+  std::this_thread::yield();
 }
 
 class Pool {

@@ -417,6 +417,7 @@ def load(path: str | Path, *, fuse_cpu_ops: bool = True) -> MTPRuntime:
     weights = read_weights(path)
     tokenizer = read_tokenizer(path)
     runtime = build_runtime(config, weights, tokenizer, where=where)
+    del weights  # packing replaces each weight: the file's copies must not outlive their modules
     if fuse_cpu_ops:
         runtime.fuse_cpu_ops()
     return runtime

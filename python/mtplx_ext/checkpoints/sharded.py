@@ -30,6 +30,9 @@ sampling keys, the same tokens.
 
 from __future__ import annotations
 
+import os
+import socket
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +43,7 @@ from mtplx_ext._checks import CheckpointError
 from mtplx_ext.checkpoints import loading
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.runtime import MTPRuntime
+from mtplx_ext.ops.threads import cpu_threads, set_cpu_threads
 
 #: The ways a runtime can be split across a group.
 PARALLEL_MODES = ("tensor", "pipeline")
@@ -151,9 +155,32 @@ def load(
     mx.clear_cache()  # the full tensors the slices were cut from
     if fuse_cpu_ops:
         runtime.fuse_cpu_ops()
+    share_cpus(group)
     # Ranks that finished loading wait here for the slower ones (as mlx-lm's sharded_load).
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return runtime
+
+
+def share_cpus(group: Any) -> int:
+    """Divides this host's CPUs between the ranks of `group` running on it; returns this rank's kernel threads.
+
+    Ranks on one host each run their CPU kernels (the packed GEMM splits a
+    product over the pool) on the same cores; two ranks with a pool of every
+    core each would time-slice four busy threads on two cores, and every
+    collective would wait for the rank that was descheduled. Each rank gets
+    its share of the cores instead (at least one). `MTPLX_CPU_THREADS`, when
+    set, wins. One collective (an all_sum of host ids), so every rank must
+    call it.
+    """
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    ids = mx.zeros((group.size(),), dtype=mx.int64)
+    ids[group.rank()] = host
+    local = int((mx.distributed.all_sum(ids, group=group, stream=mx.cpu) == host).sum().item())
+    if os.environ.get("MTPLX_CPU_THREADS", "").strip() or local <= 1:
+        return cpu_threads()
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    set_cpu_threads(max(1, cpus // local))
+    return cpu_threads()
 
 
 def shard_random(runtime: MTPRuntime, group: Any, parallel: str, head: str = "replicate") -> MTPRuntime:
@@ -163,4 +190,4 @@ def shard_random(runtime: MTPRuntime, group: Any, parallel: str, head: str = "re
     return runtime
 
 
-__all__ = ["HEAD_MODES", "PARALLEL_MODES", "check_parallel", "load", "shard_random", "shard_runtime"]
+__all__ = ["HEAD_MODES", "PARALLEL_MODES", "check_parallel", "load", "share_cpus", "shard_random", "shard_runtime"]
