@@ -4,6 +4,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
 
+#include "cpu/packed_gemm.h"
 #include "linear_ops.h"
 
 namespace nb = nanobind;
@@ -34,7 +35,7 @@ void bind_linear(nb::module_& m) {
       nb::kw_only(),
       "stream"_a = nb::none());
   m.def("packed_linear_isa", &mtplx::packed_linear_isa);
-  m.attr("PACKED_PANEL") = 48;
+  m.attr("PACKED_PANEL") = mtplx::kPackedPanel;
 }
 
 } // namespace mtplx

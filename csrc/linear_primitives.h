@@ -12,8 +12,9 @@ namespace mtplx {
 
 namespace mx = mlx::core;
 
-// Inputs: x [..., K] float32 (row contiguous), w_packed [P, K, kPackedPanel]
-// float32 (row contiguous). Output: [..., N] float32, row contiguous.
+// Inputs: x [..., K] float32, w_packed [P, K, kPackedPanel] float32, any
+// strides (eval_cpu gathers an input that is not row contiguous). Output: [..., N]
+// float32, row contiguous.
 class PackedLinear : public mx::UnaryPrimitive {
  public:
   PackedLinear(mx::Stream stream, int n) : mx::UnaryPrimitive(stream), n_(n) {}

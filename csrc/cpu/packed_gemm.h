@@ -41,8 +41,8 @@ void packed_gemm(
     float* y,
     int threads);
 
-// The instruction set the kernel runs with on this CPU: "avx512", "avx2"
-// or "generic".
+// The instruction set the kernel runs with on this CPU: "avx512", "avx2",
+// "neon" or "generic".
 const char* packed_gemm_isa();
 
 namespace packed_detail {

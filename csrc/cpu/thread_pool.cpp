@@ -114,6 +114,16 @@ inline void spin_pause() {
   std::this_thread::yield();
 }
 
+// Spins (yielding) until done() or kSpin has passed; returns done().
+template <class Done>
+bool spin_until(Done done) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  while (!done() && std::chrono::steady_clock::now() < until) {
+    spin_pause();
+  }
+  return done();
+}
+
 class Pool {
  public:
   // Runs the job with up to `threads` threads; false when the pool is busy
@@ -152,11 +162,7 @@ class Pool {
     work(gen, n, &f);
     // The workers are usually finishing their last task: spin for them
     // before sleeping (a wake-up costs more than most of these waits).
-    const auto until = std::chrono::steady_clock::now() + kSpin;
-    while (done_.load(std::memory_order_acquire) != n &&
-           std::chrono::steady_clock::now() < until) {
-      spin_pause();
-    }
+    spin_until([&] { return done_.load(std::memory_order_acquire) == n; });
     std::exception_ptr err;
     {
       std::unique_lock<std::mutex> lk(m_);
@@ -197,11 +203,9 @@ class Pool {
         // Jobs of a decode step (its GEMMs) come microseconds apart, less
         // than a wake-up through the condition variable costs: spin first.
         lk.unlock();
-        const auto until = std::chrono::steady_clock::now() + kSpin;
-        while (published_.load(std::memory_order_acquire) == seen &&
-               std::chrono::steady_clock::now() < until) {
-          spin_pause();
-        }
+        spin_until([&] {
+          return published_.load(std::memory_order_acquire) != seen;
+        });
         lk.lock();
       }
       wake_.wait(lk, [&] { return stop_ || gen_ != seen; });

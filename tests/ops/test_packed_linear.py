@@ -73,6 +73,17 @@ def test_leading_dims_and_noncontiguous_x(rng) -> None:
     assert np.all(np.abs(y.reshape(-1, N) - ref) <= bound)
 
 
+def test_strided_packed_weight_equals_its_dense_copy(rng) -> None:
+    """A w_packed view that is not row contiguous (a transpose) is read through its strides."""
+    K, N = 40, 96
+    wp = L.pack_linear_weight(mx.array(rng.standard_normal((N, K)).astype(np.float32)))
+    view = mx.swapaxes(mx.contiguous(mx.swapaxes(wp, 1, 2)), 1, 2)  # same values and shape, strided
+    x = mx.array(rng.standard_normal((6, K)).astype(np.float32))
+    mx.eval(wp, view, x)
+    assert view.shape == wp.shape
+    assert mx.array_equal(L.packed_linear(x, view, N), L.packed_linear(x, wp, N)).item()
+
+
 def test_rows_independent_of_the_call_and_threads(rng) -> None:
     """A row's result is bit for bit the same alone, in any batch, on 1 or 2 threads."""
     K, N = 640, 500  # 1.3 MB of weights: split over threads
