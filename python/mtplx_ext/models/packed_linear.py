@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 
+from mtplx_ext import _ext
 from mtplx_ext.models.module_swap import swap_modules
 from mtplx_ext.ops import linear as linear_ops
 
@@ -90,8 +91,10 @@ class PackedLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if mx.default_device() == mx.cpu and mx.issubdtype(x.dtype, mx.floating):
-            # float16 / bfloat16 inputs promote to float32, as x @ W.T would.
-            y = linear_ops.packed_linear(x.astype(mx.float32), self.weight_packed, self.output_dims)
+            # float16 / bfloat16 inputs promote to float32, as x @ W.T would. The
+            # extension directly (it checks every argument again): this runs once
+            # per Linear per decode step.
+            y = _ext.packed_linear(x.astype(mx.float32), self.weight_packed, self.output_dims)
         else:
             y = x @ self.weight.T
         if self.sharded == "sharded_to_all":
