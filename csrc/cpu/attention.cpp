@@ -1,13 +1,23 @@
-// eval_cpu of FusedAttention: per (batch, kv head), the query rows of the
-// heads sharing that kv head run in blocks of up to four, so that each key
-// and value row is loaded once per block. Scores, softmax and the weighted
-// sum of values are float32; the output is rounded once to the dtype.
+// eval_cpu of FusedAttention. Per (batch, kv head) -- the jobs, split over
+// the CPU pool when they are large enough -- the query rows of the heads
+// sharing that kv head run in blocks of up to eight:
+//   scores = Q_block K^T over key blocks of 8 transposed once per job (one
+//   key-block load per 8-row update, no horizontal sums), softmax, then
+//   out = P V over the value rows, each value vector loaded once per block.
+// Scores, softmax and the weighted sum of values are float32; the output is
+// rounded once to the dtype.
 //
 // Masking follows mx::fast's fallback: a bool (or causal) mask replaces a
 // score by the dtype's lowest finite value, so a fully masked row averages
 // the values uniformly; an additive mask is added to the score. A row whose
 // maximum score is not finite (all -inf, +inf) or that holds a NaN score is
 // written as NaN, as the fallback's softmax yields.
+//
+// Keys before a block's first visible key or after its last (a bool or
+// causal mask) get weight exactly 0 in the fallback and are skipped here:
+// with a fixed-capacity ragged KV cache most slots lie past every stream's
+// end. (So a NaN in such a masked-out value row does not reach the output,
+// where the fallback's 0 * NaN would.)
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -15,6 +25,7 @@
 #include <vector>
 
 #include "cpu/fused_common.h"
+#include "cpu/thread_pool.h"
 #include "fused_primitives.h"
 #include "mlx/backend/cpu/encoder.h"
 
@@ -24,8 +35,14 @@ namespace {
 
 using namespace cpu;
 
-constexpr int kBlockRows = 4;
+constexpr int kBlockRows = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Rough single-thread cost of one query row against one key (score and
+// weighted value) per element of D + Dv, in nanoseconds (order of
+// magnitude only), and the least work a second thread must get.
+constexpr double kNsPerElement = 0.05;
+constexpr double kMinThreadNs = 30000.0;
 
 template <class S>
 constexpr float lowest_of() {
@@ -43,75 +60,133 @@ struct Geometry {
   int Dp, Dvp, Sp;
 };
 
-// Per-block scratch, reused across blocks.
-struct Scratch {
-  std::vector<float> q; // kBlockRows x Dp, scaled queries (zero padded)
-  std::vector<float> scores; // kBlockRows x Sp
-  std::vector<float> acc; // kBlockRows x Dvp
-};
-
-template <class S>
 struct Inputs {
-  using bits_t = typename S::bits_t;
-  const bits_t* q;
+  const void* q;
   int64_t qs[4];
-  const float* k; // rows of Dp (or k's own row stride when direct)
-  int64_t k_row;
-  const float* v;
-  int64_t v_row;
+  const void* k;
+  int64_t ks[4];
+  const void* v;
+  int64_t vs[4];
   const void* mask; // bool or bits_t, nullptr if none
   bool bool_mask;
   int64_t ms[4]; // broadcast strides (0 on size-1 axes)
-  bits_t* out;
+  void* out;
 };
 
+// Per-job scratch, kept per thread between evaluations.
+struct Scratch {
+  std::vector<float> kbuf; // key rows widened to Dp floats
+  std::vector<float> vbuf; // value rows widened to Dvp floats
+  std::vector<float> q; // kBlockRows x Dp, scaled queries (zero padded)
+  std::vector<float> scores; // kBlockRows x Sp
+  std::vector<int> first, last; // per row of the job: visible key span
+  std::vector<char> blind; // per row: sees no key (span [0, S))
+};
+
+// The key and value rows of one job as float32 rows a multiple of 8 wide.
+struct Rows {
+  const float* k;
+  int64_t k_row;
+  const float* v;
+  int64_t v_row;
+};
+
+// One row of a job: its head and position.
+struct RowAt {
+  int head, pos;
+};
+
+MTPLX_FUSED_INLINE RowAt row_at(const Geometry& G, int g, int i) {
+  return {g * G.n_rep + i % G.n_rep, i / G.n_rep};
+}
+
+// The visible key span [first, last) of every row of job (b, g) (causal: up
+// to the row's position; bool mask: its first to its last kept key). A row
+// that sees no key gets [0, S): the fallback averages all values.
+template <class S>
+MTPLX_FUSED_INLINE void spans(
+    const Geometry& G,
+    const Inputs& in,
+    AttentionMask kind,
+    int b,
+    int g,
+    int rows,
+    Scratch& sc) {
+  sc.first.assign(rows, 0);
+  sc.last.assign(rows, G.S);
+  sc.blind.assign(rows, 0);
+  for (int i = 0; i < rows; ++i) {
+    const RowAt at = row_at(G, g, i);
+    if (kind == AttentionMask::kCausal) {
+      const int last = at.pos + G.S - G.T; // last visible key
+      if (last >= 0) {
+        sc.last[i] = std::min(last + 1, G.S);
+      } else {
+        sc.blind[i] = 1;
+      }
+    } else if (kind == AttentionMask::kArray && in.bool_mask) {
+      const bool* m = static_cast<const bool*>(in.mask) + b * in.ms[0] +
+          at.head * in.ms[1] + at.pos * in.ms[2];
+      const int64_t st = in.ms[3];
+      int lo = 0, hi = G.S;
+      while (lo < G.S && !m[lo * st]) {
+        ++lo;
+      }
+      while (hi > lo && !m[(hi - 1) * st]) {
+        --hi;
+      }
+      if (lo < hi) {
+        sc.first[i] = lo;
+        sc.last[i] = hi;
+      } else {
+        sc.blind[i] = 1;
+      }
+    }
+  }
+}
+
+// Rows [row0, row0 + R) of job (b, g), keys [lo, hi): the union of the
+// rows' spans.
 template <class S, int R>
 MTPLX_FUSED_INLINE void attend_block(
     const Geometry& G,
-    const Inputs<S>& in,
+    const Inputs& in,
     AttentionMask kind,
     float scale,
     int b,
     int g,
     int row0,
+    const Rows& kv,
     Scratch& sc) {
   using bits_t = typename S::bits_t;
   constexpr float lowest = lowest_of<S>();
-  int head[R], pos[R], limit[R];
-  bool all_masked[R];
-  int lmax = 0;
+  int lo = G.S, hi = 0;
+  RowAt at[R];
   for (int r = 0; r < R; ++r) {
-    const int i = row0 + r;
-    pos[r] = i / G.n_rep;
-    head[r] = g * G.n_rep + i % G.n_rep;
-    const bits_t* qr =
-        in.q + b * in.qs[0] + head[r] * in.qs[1] + pos[r] * in.qs[2];
+    at[r] = row_at(G, g, row0 + r);
+    const bits_t* qr = static_cast<const bits_t*>(in.q) + b * in.qs[0] +
+        at[r].head * in.qs[1] + at[r].pos * in.qs[2];
     float* qd = sc.q.data() + r * G.Dp;
     load_row<S>(qr, in.qs[3], G.D, qd);
     for (int d = 0; d < G.D; ++d) {
       qd[d] *= scale;
     }
-    limit[r] = G.S;
-    all_masked[r] = false;
-    if (kind == AttentionMask::kCausal) {
-      const int last = pos[r] + G.S - G.T; // last visible key
-      all_masked[r] = last < 0;
-      limit[r] = all_masked[r] ? G.S : std::min(last + 1, G.S);
-    }
-    lmax = std::max(lmax, limit[r]);
+    lo = std::min(lo, sc.first[row0 + r]);
+    hi = std::max(hi, sc.last[row0 + r]);
   }
+  const int lo8 = lo / kLanes * kLanes, hi8 = round_up_lanes(hi);
 
-  // Scores over the keys any row of the block can see.
-  for (int s = 0; s < lmax; ++s) {
-    const float* kr = in.k + s * in.k_row;
+  // Scores: each key row loaded once per block, vectors over d.
+  for (int s = lo; s < hi; ++s) {
+    const float* kr = kv.k + s * kv.k_row;
     vf8 a[R];
     for (int r = 0; r < R; ++r) {
       a[r] = vf8{};
     }
     for (int c = 0; c < G.Dp; c += kLanes) {
-      const vf8 kv = load8(kr + c);
+      const vf8 kc = load8(kr + c);
       for (int r = 0; r < R; ++r) {
-        a[r] += load8(sc.q.data() + r * G.Dp + c) * kv;
+        a[r] += load8(sc.q.data() + r * G.Dp + c) * kc;
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -119,38 +194,43 @@ MTPLX_FUSED_INLINE void attend_block(
     }
   }
 
-  const int lpad = round_up_lanes(lmax);
   float inv_sum[R];
   bool nan_row[R];
   for (int r = 0; r < R; ++r) {
     float* sr = sc.scores.data() + r * G.Sp;
+    const int first = sc.first[row0 + r], last = sc.last[row0 + r];
     if (kind == AttentionMask::kCausal) {
-      const int from = all_masked[r] ? 0 : limit[r];
-      for (int s = from; s < lmax; ++s) {
+      const int from = sc.blind[row0 + r] ? lo : std::max(last, lo);
+      for (int s = from; s < hi; ++s) {
         sr[s] = lowest;
       }
     } else if (kind == AttentionMask::kArray) {
       const char* mp = static_cast<const char*>(in.mask);
-      const int64_t off = b * in.ms[0] + head[r] * in.ms[1] + pos[r] * in.ms[2];
+      const int64_t off =
+          b * in.ms[0] + at[r].head * in.ms[1] + at[r].pos * in.ms[2];
       const int64_t st = in.ms[3];
       if (in.bool_mask) {
         const bool* m = reinterpret_cast<const bool*>(mp) + off;
-        for (int s = 0; s < lmax; ++s) {
-          sr[s] = m[s * st] ? sr[s] : lowest;
+        for (int s = lo; s < hi; ++s) {
+          sr[s] = (s >= first && s < last && m[s * st]) ? sr[s] : lowest;
         }
       } else {
         const bits_t* m = reinterpret_cast<const bits_t*>(mp) + off;
-        for (int s = 0; s < lmax; ++s) {
+        for (int s = lo; s < hi; ++s) {
           sr[s] += S::load(m[s * st]);
         }
       }
     }
-    for (int s = lmax; s < lpad; ++s) {
+    // Keys outside [lo, hi): weight 0.
+    for (int s = lo8; s < lo; ++s) {
+      sr[s] = kNegInf;
+    }
+    for (int s = hi; s < hi8; ++s) {
       sr[s] = kNegInf;
     }
     vf8 mv = vf8{} + kNegInf;
     vi8 nan = vi8{};
-    for (int s = 0; s < lpad; s += kLanes) {
+    for (int s = lo8; s < hi8; s += kLanes) {
       const vf8 x = load8(sr + s);
       mv = x > mv ? x : mv;
       nan |= x != x;
@@ -164,12 +244,12 @@ MTPLX_FUSED_INLINE void attend_block(
     nan_row[r] = has_nan || !std::isfinite(m);
     if (nan_row[r]) {
       // Keep the weighted sum finite; the row is overwritten with NaN.
-      std::fill(sr, sr + lpad, 0.0f);
+      std::fill(sr + lo8, sr + hi8, 0.0f);
       inv_sum[r] = 0.0f;
       continue;
     }
     vf8 sum = vf8{};
-    for (int s = 0; s < lpad; s += kLanes) {
+    for (int s = lo8; s < hi8; s += kLanes) {
       const vf8 e = exp_nonpos8(load8(sr + s) - m);
       store8(sr + s, e);
       sum += e;
@@ -177,71 +257,141 @@ MTPLX_FUSED_INLINE void attend_block(
     inv_sum[r] = 1.0f / hsum8(sum);
   }
 
-  // Weighted sum of the value rows.
-  std::fill(sc.acc.begin(), sc.acc.begin() + R * G.Dvp, 0.0f);
-  for (int s = 0; s < lmax; ++s) {
-    const float* vr = in.v + s * in.v_row;
-    float p[R];
+  // Weighted sum of the value rows, one vector of columns at a time.
+  for (int c = 0; c < G.Dvp; c += kLanes) {
+    vf8 a[R];
     for (int r = 0; r < R; ++r) {
-      p[r] = sc.scores[r * G.Sp + s];
+      a[r] = vf8{};
     }
-    for (int c = 0; c < G.Dvp; c += kLanes) {
-      const vf8 vv = load8(vr + c);
+    for (int s = lo; s < hi; ++s) {
+      const vf8 vv = load8(kv.v + s * kv.v_row + c);
       for (int r = 0; r < R; ++r) {
-        float* a = sc.acc.data() + r * G.Dvp + c;
-        store8(a, load8(a) + p[r] * vv);
+        a[r] += sc.scores[r * G.Sp + s] * vv;
       }
     }
-  }
-
-  for (int r = 0; r < R; ++r) {
-    bits_t* o =
-        in.out + ((int64_t(b) * G.Hq + head[r]) * G.T + pos[r]) * int64_t(G.Dv);
-    const float* a = sc.acc.data() + r * G.Dvp;
-    if (nan_row[r]) {
-      const float nan = std::numeric_limits<float>::quiet_NaN();
-      for (int d = 0; d < G.Dv; ++d) {
-        o[d] = S::store(nan);
-      }
-    } else {
-      for (int d = 0; d < G.Dv; ++d) {
-        o[d] = S::store(a[d] * inv_sum[r]);
+    for (int r = 0; r < R; ++r) {
+      bits_t* o = static_cast<bits_t*>(in.out) +
+          ((int64_t(b) * G.Hq + at[r].head) * G.T + at[r].pos) *
+              int64_t(G.Dv);
+      const int n = std::min(kLanes, G.Dv - c);
+      if (nan_row[r]) {
+        const float nan = std::numeric_limits<float>::quiet_NaN();
+        for (int j = 0; j < n; ++j) {
+          o[c + j] = S::store(nan);
+        }
+      } else {
+        for (int j = 0; j < n; ++j) {
+          o[c + j] = S::store(a[r][j] * inv_sum[r]);
+        }
       }
     }
   }
 }
 
-// Rows of keys or values of one (batch, kv head) as float32 rows a multiple
-// of 8 wide: the array itself where it already is, else a widened copy.
-template <class S>
-MTPLX_FUSED_INLINE const float* kv_rows(
-    const mx::array& a,
+template <class S, int R = kBlockRows>
+MTPLX_FUSED_INLINE void block_of(
+    int r,
+    const Geometry& G,
+    const Inputs& in,
+    AttentionMask kind,
+    float scale,
     int b,
     int g,
-    int n,
+    int row0,
+    const Rows& kv,
+    Scratch& sc) {
+  if constexpr (R >= 1) {
+    if (r == R) {
+      attend_block<S, R>(G, in, kind, scale, b, g, row0, kv, sc);
+    } else {
+      block_of<S, R - 1>(r, G, in, kind, scale, b, g, row0, kv, sc);
+    }
+  }
+}
+
+// Rows [lo, hi) of keys or values of (b, g) as float32 rows `padded` wide:
+// the array itself where it already is, else a widened copy (row s at s *
+// padded, the padding zero).
+template <class S>
+MTPLX_FUSED_INLINE const float* widened(
+    const void* data,
+    const int64_t* st,
+    int b,
+    int g,
+    int lo,
+    int hi,
     int width,
     int padded,
     std::vector<float>& buf,
     int64_t& row_stride) {
   using bits_t = typename S::bits_t;
-  auto& st = a.strides();
-  const bits_t* base = a.data<bits_t>() + b * st[0] + g * st[1];
+  const bits_t* base = static_cast<const bits_t*>(data) + b * st[0] + g * st[1];
   if (std::is_same_v<S, F32> && st[3] == 1 && width == padded) {
     row_stride = st[2];
     return reinterpret_cast<const float*>(base);
   }
-  if (buf.size() < size_t(n) * padded) {
-    buf.assign(size_t(n) * padded, 0.0f); // the padding stays zero
+  if (buf.size() < size_t(hi) * padded) {
+    buf.resize(size_t(hi) * padded);
   }
-  for (int s = 0; s < n; ++s) {
-    load_row<S>(base + s * st[2], st[3], width, buf.data() + s * padded);
+  for (int s = lo; s < hi; ++s) {
+    float* dst = buf.data() + int64_t(s) * padded;
+    load_row<S>(base + s * st[2], st[3], width, dst);
+    std::fill(dst + width, dst + padded, 0.0f);
   }
   row_stride = padded;
   return buf.data();
 }
 
+// Job (b, g): spans, the key and value rows any row sees (widened if need
+// be), then the row blocks (as even in size as kBlockRows allows).
 template <class S>
-MTPLX_FUSED_INLINE void attention_impl(
+MTPLX_FUSED_INLINE void attend_job(
+    const Geometry& G,
+    const Inputs& in,
+    AttentionMask kind,
+    float scale,
+    int b,
+    int g) {
+  thread_local Scratch sc;
+  const int rows = G.n_rep * G.T;
+  spans<S>(G, in, kind, b, g, rows, sc);
+  const int lo = *std::min_element(sc.first.begin(), sc.first.end());
+  const int hi = *std::max_element(sc.last.begin(), sc.last.end());
+
+  Rows kv;
+  kv.k = widened<S>(in.k, in.ks, b, g, lo, hi, G.D, G.Dp, sc.kbuf, kv.k_row);
+  kv.v = widened<S>(in.v, in.vs, b, g, lo, hi, G.Dv, G.Dvp, sc.vbuf, kv.v_row);
+
+  sc.q.assign(size_t(kBlockRows) * G.Dp, 0.0f);
+  sc.scores.resize(size_t(kBlockRows) * G.Sp);
+  const int blocks = (rows + kBlockRows - 1) / kBlockRows;
+  const int base = rows / blocks, extra = rows % blocks;
+  int row0 = 0;
+  for (int t = 0; t < blocks; ++t) {
+    const int r = base + (t < extra);
+    block_of<S>(r, G, in, kind, scale, b, g, row0, kv, sc);
+    row0 += r;
+  }
+}
+
+MTPLX_FUSED_CLONES void attention_job_cpu(
+    mx::Dtype dtype,
+    const Geometry& G,
+    const Inputs& in,
+    AttentionMask kind,
+    float scale,
+    int job) {
+  const int b = job / G.Hkv, g = job % G.Hkv;
+  if (dtype == mx::float32) {
+    attend_job<F32>(G, in, kind, scale, b, g);
+  } else if (dtype == mx::float16) {
+    attend_job<F16>(G, in, kind, scale, b, g);
+  } else {
+    attend_job<BF16>(G, in, kind, scale, b, g);
+  }
+}
+
+void attention_cpu(
     const mx::array& q,
     const mx::array& k,
     const mx::array& v,
@@ -249,7 +399,6 @@ MTPLX_FUSED_INLINE void attention_impl(
     AttentionMask kind,
     float scale,
     mx::array& out) {
-  using bits_t = typename S::bits_t;
   Geometry G;
   G.B = q.shape(0);
   G.Hq = q.shape(1);
@@ -265,17 +414,18 @@ MTPLX_FUSED_INLINE void attention_impl(
   if (out.size() == 0) {
     return;
   }
-
-  Inputs<S> in;
-  in.q = q.data<bits_t>();
+  Inputs in;
+  in.q = q.data<void>();
+  in.k = k.data<void>();
+  in.v = v.data<void>();
   for (int i = 0; i < 4; ++i) {
     in.qs[i] = q.strides()[i];
+    in.ks[i] = k.strides()[i];
+    in.vs[i] = v.strides()[i];
+    in.ms[i] = 0;
   }
   in.mask = nullptr;
   in.bool_mask = false;
-  for (int i = 0; i < 4; ++i) {
-    in.ms[i] = 0;
-  }
   if (mask) {
     in.mask = mask->data<void>();
     in.bool_mask = mask->dtype() == mx::bool_;
@@ -284,54 +434,22 @@ MTPLX_FUSED_INLINE void attention_impl(
       in.ms[lead + i] = mask->shape(i) == 1 ? 0 : mask->strides()[i];
     }
   }
-  in.out = out.data<bits_t>();
+  in.out = out.data<void>();
 
-  Scratch sc;
-  sc.q.assign(size_t(kBlockRows) * G.Dp, 0.0f);
-  sc.scores.assign(size_t(kBlockRows) * G.Sp, 0.0f);
-  sc.acc.assign(size_t(kBlockRows) * G.Dvp, 0.0f);
-  std::vector<float> kbuf, vbuf;
-  const int rows = G.n_rep * G.T; // query rows sharing one kv head
-  for (int b = 0; b < G.B; ++b) {
-    for (int g = 0; g < G.Hkv; ++g) {
-      in.k = kv_rows<S>(k, b, g, G.S, G.D, G.Dp, kbuf, in.k_row);
-      in.v = kv_rows<S>(v, b, g, G.S, G.Dv, G.Dvp, vbuf, in.v_row);
-      int row0 = 0;
-      for (; row0 + kBlockRows <= rows; row0 += kBlockRows) {
-        attend_block<S, kBlockRows>(G, in, kind, scale, b, g, row0, sc);
-      }
-      switch (rows - row0) {
-        case 3:
-          attend_block<S, 3>(G, in, kind, scale, b, g, row0, sc);
-          break;
-        case 2:
-          attend_block<S, 2>(G, in, kind, scale, b, g, row0, sc);
-          break;
-        case 1:
-          attend_block<S, 1>(G, in, kind, scale, b, g, row0, sc);
-          break;
-        default:
-          break;
-      }
-    }
+  const int jobs = G.B * G.Hkv;
+  const double cost = double(jobs) * G.n_rep * G.T * G.S * (G.D + G.Dv) *
+      kNsPerElement;
+  int threads = 1;
+  if (jobs > 1 && cost >= 2 * kMinThreadNs) {
+    threads = std::min<int>(
+        {cpu_threads_or_one(), jobs, int(cost / kMinThreadNs)});
   }
-}
-
-MTPLX_FUSED_CLONES void attention_cpu(
-    const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
-    const mx::array* mask,
-    AttentionMask kind,
-    float scale,
-    mx::array& out) {
-  if (q.dtype() == mx::float32) {
-    attention_impl<F32>(q, k, v, mask, kind, scale, out);
-  } else if (q.dtype() == mx::float16) {
-    attention_impl<F16>(q, k, v, mask, kind, scale, out);
-  } else {
-    attention_impl<BF16>(q, k, v, mask, kind, scale, out);
-  }
+  const mx::Dtype dtype = q.dtype();
+  parallel_for(
+      jobs,
+      threads,
+      [&](int job) { attention_job_cpu(dtype, G, in, kind, scale, job); },
+      cost);
 }
 
 } // namespace

@@ -340,6 +340,49 @@ def test_attention_fully_masked_rows_average_values_or_are_nan_like_mx_fast(rng,
     assert np.isfinite(g[:, :, [0, 2]]).all()
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_attention_over_a_ragged_cache_skips_slots_outside_every_span_and_threads_change_no_bit(rng, dtype):
+    """A fixed-capacity ragged cache: stream b sees slots [pad_b, end_b + t]
+    (its own left padding and end), the slots around hold anything, here
+    NaN and huge values. They get weight 0 in the fallback, so the output
+    equals the float64 reference on zeroed slots; the jobs split over the
+    pool give the one-thread result bit for bit."""
+    from mtplx_ext.ops.threads import cpu_pool_jobs, set_cpu_threads
+
+    dt = DTYPES[dtype]
+    B, Hkv, rep, T, S, D = 4, 4, 3, 6, 384, 64
+    Hq = Hkv * rep
+    pads = rng.integers(0, 40, B)
+    ends = rng.integers(60, S - T - 60, B)
+    slot = np.arange(S)
+    keep = np.stack([(slot[None, :] >= pads[b]) & (slot[None, :] <= ends[b] + np.arange(T)[:, None]) for b in range(B)])
+    keep = keep[:, None]  # [B, 1, T, S], as the ragged cache builds it
+    outside = ~np.any(keep[:, 0], axis=1)  # [B, S]: slots no query of the stream sees
+    q = to_mx(rng.standard_normal((B, Hq, T, D)), dt)
+    kn = rng.standard_normal((B, Hkv, S, D))
+    vn = rng.standard_normal((B, Hkv, S, D))
+    poison = np.where(rng.random((B, Hkv, S, D)) < 0.5, np.nan, 6.0e4)
+    k = to_mx(np.where(outside[:, None, :, None], poison, kn), dt)
+    v = to_mx(np.where(outside[:, None, :, None], poison, vn), dt)
+    mask = mx.array(keep)
+    outs = {}
+    try:
+        for n in (1, 2):
+            set_cpu_threads(n)
+            before = cpu_pool_jobs()
+            got = mtplx_ext.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+            mx.eval(got)
+            outs[n] = (np.array(got.astype(mx.float32)), cpu_pool_jobs() - before)
+    finally:
+        set_cpu_threads(0)
+    assert outs[1][1] == 0
+    np.testing.assert_array_equal(outs[1][0], outs[2][0])
+    zeroed = lambda a: np.where(outside[:, None, :, None], 0.0, np64(a))  # noqa: E731
+    ref = sdpa_ref(np64(q), zeroed(k), zeroed(v), 0.125, keep, lowest_of(dtype))
+    assert np.isfinite(ref).all()
+    assert_close(mx.array(outs[2][0]), ref, dtype, 64 if dtype == "float32" else 1.5, f"ragged {dtype}")
+
+
 # ---------------------------------------------------------------------------
 # swiglu
 
