@@ -26,6 +26,9 @@ def g_test_pvalue(observed: np.ndarray, expected_p: np.ndarray) -> float:
     if small.any():
         e = np.append(e[~small], e[small].sum())
         o = np.append(o[~small], o[small].sum())
+    if len(e) < 2:
+        # One possible outcome, and every draw fell in it (checked above).
+        return 1.0
     nz = o > 0
     g = 2.0 * np.sum(o[nz] * np.log(o[nz] / e[nz]))
     return float(chi2.sf(g, df=len(e) - 1))

@@ -17,6 +17,11 @@ noisy neighbour hits them alike; medians of the repeats:
 Besides the wall-time medians it prints each setting's least process CPU
 time per pass: on a machine shared with other work, the kernel's own cost.
 
+It also prints the compute roof of each row count: 2 M P flops over the
+weights' P parameters at the FMA peak of every core (`fma_peak.py`,
+measured by the same run), and the least [M, h] / [1, h] ratio that roof
+allows against this run's one-row pass: no float32 kernel can go below it.
+
 The same run measures this machine's read bandwidth (`benchmark.read_bandwidth`: NumPy max
 reductions over 1 GiB on every core at once, before and after the passes) and prints the weight-streaming
 floor (weight bytes / bandwidth) beside the passes.
@@ -46,6 +51,8 @@ from mtplx_ext import _blas
 from mtplx_ext.ops.linear import pack_linear_weight, packed_linear
 from mtplx_ext.ops.threads import set_cpu_threads
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
+
+import fma_peak  # (this folder)
 
 SETTINGS = ("packed 2t", "packed 1t", "decode 2t", "decode 1t", "openblas")
 
@@ -169,6 +176,7 @@ def main() -> None:
     bw = statistics.median([bw0, bw1])
     floor = streaming_floor_s(nbytes, bw)
     rate = compute_rate()
+    peak = max(fma_peak.measure(50_000_000).items())[1]  # every core at once
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     print(f"OpenBLAS sgemm: {rate / 1e9:.0f} GFLOP/s on one core; at that rate on every core [M, h] products over "
           f"these weights take " + ", ".join(f"M={m}: {2 * m * nbytes / 4 / (cores * rate) * 1e3:.1f} ms" for m in rows) +
@@ -176,14 +184,16 @@ def main() -> None:
     print(f"{len(weights)} weights, {nbytes / 1e9:.3f} GB; read bandwidth {bw0 / 1e9:.1f} / {bw1 / 1e9:.1f} GB/s "
           f"(before / after); streaming floor {floor * 1e3:.1f} ms; medians of {args.repeats} interleaved passes; "
           f"load average after {os.getloadavg()}")
+    print(f"FMA peak of every core at once: {peak / 1e9:.0f} GFLOP/s (fma_peak.py, this run)")
     print("| M | " + " | ".join(f"{s} ms" for s in SETTINGS) + " | packed 2t / floor | packed 2t / [1] | "
-          "decode 2t / packed 2t | openblas / packed 2t | packed 2t GFLOP/s |")
-    print("|---:|" + "---:|" * (len(SETTINGS) + 5))
+          "decode 2t / packed 2t | openblas / packed 2t | packed 2t GFLOP/s | FMA roof ms | least / [1] |")
+    print("|---:|" + "---:|" * (len(SETTINGS) + 7))
     for m in rows:
         v = [med[s, m] * 1e3 for s in SETTINGS]
         print(f"| {m} | " + " | ".join(f"{x:.1f}" for x in v) + f" | {v[0] / (floor * 1e3):.2f} | "
               f"{med['packed 2t', m] / med['packed 2t', rows[0]]:.2f} | {v[2] / v[0]:.2f} | {v[4] / v[0]:.2f} | "
-              f"{2 * m * nbytes / 4 / med['packed 2t', m] / 1e9:.0f} |")
+              f"{2 * m * nbytes / 4 / med['packed 2t', m] / 1e9:.0f} | {2 * m * nbytes / 4 / peak * 1e3:.1f} | "
+              f"{max(1.0, 2 * m * nbytes / 4 / peak / med['packed 2t', rows[0]]):.2f} |")
     # CPU time counts only the time this process ran, not the time other
     # processes held its core: on a loaded machine, the closer measure of a
     # kernel's own cost (it counts both threads of "decode 2t").
@@ -200,7 +210,7 @@ def main() -> None:
                                                                       (("rows", args.rows), ("repeats", args.repeats))),
             "model": str(args.model.name), "weights": len(weights), "weight_bytes": nbytes,
             "blas": _blas.describe(), "mlx": mx.__version__, "cpu": platform.processor() or platform.machine(),
-            "read_bandwidth": [bw0, bw1], "floor_s": floor, "sgemm_flops_one_core": rate, "cores": cores, "split_bytes": split_bytes,
+            "read_bandwidth": [bw0, bw1], "floor_s": floor, "sgemm_flops_one_core": rate, "fma_peak_flops": peak, "cores": cores, "split_bytes": split_bytes,
             "median_pass_s": {f"{s}|{m}": med[s, m] for s in SETTINGS for m in rows},
             "least_cpu_s": {f"{s}|{m}": cpu[s, m] for s in SETTINGS for m in rows},
             "load_average_after": os.getloadavg(),

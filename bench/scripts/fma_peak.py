@@ -70,10 +70,12 @@ int main(int argc, char** argv) {
 """
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--iterations", type=int, default=200_000_000, help="FMA rounds per thread")
-    args = ap.parse_args()
+def measure(iterations: int = 200_000_000) -> dict[int, float]:
+    """FLOP/s of the FMA loop on 1 thread and on every core at once: {threads: FLOP/s}.
+
+    Raises:
+        SystemExit: no C compiler (cc, gcc or clang) on PATH.
+    """
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise SystemExit("no C compiler found (cc, gcc or clang)")
@@ -82,12 +84,22 @@ def main() -> None:
         src, exe = Path(tmp) / "fma.c", Path(tmp) / "fma"
         src.write_text("#include <string.h>\n" + SOURCE)
         subprocess.run([cc, "-O2", "-march=native", str(src), "-o", str(exe), "-lpthread"], check=True)
-        out = subprocess.run([str(exe), str(args.iterations), str(cores)], check=True, capture_output=True,
+        out = subprocess.run([str(exe), str(iterations), str(cores)], check=True, capture_output=True,
                              text=True).stdout
+    rates = {}
     for line in out.split("\n"):
         if line.strip():
             th, gflops = line.split()
-            print(f"{th} thread(s): {float(gflops):.0f} GFLOP/s float32 FMA peak")
+            rates[int(th)] = float(gflops) * 1e9
+    return rates
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iterations", type=int, default=200_000_000, help="FMA rounds per thread")
+    args = ap.parse_args()
+    for th, rate in measure(args.iterations).items():
+        print(f"{th} thread(s): {rate / 1e9:.0f} GFLOP/s float32 FMA peak")
 
 
 if __name__ == "__main__":
