@@ -134,6 +134,13 @@ class ScriptedHead:
     def __getattr__(self, name):
         return getattr(self.rt, name)
 
+    def keep_rows(self, rows: mx.array) -> "ScriptedHead":
+        """This head for the rows a compacted batch keeps (`engine.compaction`)."""
+        kept = object.__new__(ScriptedHead)
+        kept.__dict__.update(self.__dict__)
+        kept.table, kept.lengths = self.table[rows], self.lengths[rows]
+        return kept
+
     def head_states(self, hidden, next_tokens, head_cache):
         chained, normed = self.rt.head_states(hidden, next_tokens, head_cache)
         # The head cache's offset was advanced by T in the call above; head

@@ -12,6 +12,7 @@ import numpy as np
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
 from mtplx_ext.engine import autodepth
 from mtplx_ext.engine import cycle as cycle_mod
+from mtplx_ext.engine.compaction import Compactor, compactable
 from mtplx_ext.engine import session
 from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
 from mtplx_ext.engine.cycle import Cycle, Pending
@@ -39,6 +40,7 @@ def generate_batched(
     on_commit: OnCommit | None = None,
     enforce_eager: bool = False,
     constraints: Sequence[Constraint | None] | None = None,
+    compact_rows: bool = True,
 ) -> BatchedDecodeResult:
     """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle.
 
@@ -83,6 +85,11 @@ def generate_batched(
             at every position (MTP stays on; `engine.constraint`). The
             constraint's stop token should be among `stop_token_ids`. Needs
             compiled steps and per-stream commit; runs the serial loop.
+        compact_rows: True halves the batch whenever at most half of its
+            streams still decode, so finished streams stop costing forwards
+            (`engine.compaction`: greedy decoding, compiled steps, the
+            pipelined loop); False keeps every row to the end. Same tokens
+            either way.
 
     Returns:
         A `BatchedDecodeResult`.
@@ -131,7 +138,7 @@ def generate_batched(
         compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
-            per_stream, compiled, constraints,
+            per_stream, compiled, constraints, bool(compact_rows),
         )
 
 
@@ -148,6 +155,7 @@ def _generate(
     per_stream: bool,
     compiled: bool,
     constraints: list[Constraint | None] | None = None,
+    compact_rows: bool = False,
 ) -> BatchedDecodeResult:
     t0 = time.perf_counter()
     lengths = [len(p) for p in prompts]
@@ -187,11 +195,16 @@ def _generate(
     st.result.forwards += int(mtp)
     if not serial:
         mx.async_eval(first.bundle)
+    rows = None
+    if compact_rows and not serial and guide is None and len(prompts) > 1 and compactable(policy, compiled, mtp, per_stream):
+        rows = Compactor(runtime, cyc, pads, depth)
     try:
-        run_cycles(cyc, st, first, mtp, serial, guide)
+        run_cycles(cyc, st, first, mtp, serial, guide, rows)
     finally:
-        cyc.release()
+        (rows.cyc if rows is not None else cyc).release()
         policy.mask = None
+        if rows is not None:
+            st.result.compactions = rows.compactions
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
     if guide is not None:

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.cache import rollback
+from mtplx_ext.engine.compaction import Compactor
 from mtplx_ext.engine.constraint import RowConstraints, forced_drafts
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.streams import Streams
@@ -17,15 +18,20 @@ from mtplx_ext.engine.streams import Streams
 _REPAIR_EMA = 0.25
 
 
-def read_bundle(p: Pending, streams: Streams, with_next: bool = False) -> np.ndarray:
-    """The cycle's one blocking host read (with the next cycle's tokens evaluated alongside: `read_next`)."""
+def read_bundle(
+    p: Pending, streams: Streams, with_next: bool = False, rows: Compactor | None = None
+) -> np.ndarray:
+    """The cycle's one blocking host read (with the next cycle's tokens evaluated alongside: `read_next`).
+
+    With `rows` (a compacted batch) the bundle comes back as one row per stream.
+    """
     t = time.perf_counter()
     if with_next and p.next_tokens is not None:
         mx.eval(p.bundle, p.next_tokens)
     b = np.array(p.bundle)
     streams.result.sync_wait_s += time.perf_counter() - t
     streams.result.host_syncs += 1
-    return b
+    return b if rows is None else rows.expand(b, len(streams.done))
 
 
 def _decide(st: Streams, b: np.ndarray, mtp: bool):
@@ -48,7 +54,13 @@ def _constrain(cyc: Cycle, st: Streams, guide: RowConstraints, p: Pending, b: np
 
 
 def run_cycles(
-    cyc: Cycle, st: Streams, first: Pending, mtp: bool, serial: bool, guide: RowConstraints | None = None
+    cyc: Cycle,
+    st: Streams,
+    first: Pending,
+    mtp: bool,
+    serial: bool,
+    guide: RowConstraints | None = None,
+    rows: Compactor | None = None,
 ) -> None:
     """The decode cycles, serial or pipelined (same graphs, same forwards).
 
@@ -62,6 +74,11 @@ def run_cycles(
     With constraints (`guide`) the loop is serial: the next step's mask
     needs this cycle's commits and the next x0 and drafts on the host (read
     with the bundle, one blocking read per cycle).
+
+    With `rows` (pipelined per-stream or plain decoding) the batch drops
+    its finished rows whenever at most half are live (`engine.compaction`):
+    that cycle is read before the next is launched, the live rows move to
+    a smaller batch, and `rows.cyc` is the cycle from then on.
     """
     res = st.result
     p = first
@@ -69,6 +86,7 @@ def run_cycles(
     uniform = mtp and not cyc.per_stream
     while True:
         res.cycles += 1
+        res.row_cycles += len(rows.rows) if rows is not None else len(st.done)
         if serial:
             b = read_bundle(p, st, with_next=guide is not None)
             commits, r = _decide(st, b, mtp)
@@ -78,6 +96,18 @@ def run_cycles(
             if guide is not None:
                 _constrain(cyc, st, guide, p, b, mtp)
         elif not uniform:
+            if rows is not None and rows.due(st.done):
+                # Nothing in flight while rows move: this cycle is read first.
+                commits, r = _decide(st, read_bundle(p, st, rows=rows), mtp)
+                st.apply(commits)
+                if not st.any_live():
+                    return
+                p = rows.compact(p, st.done)
+                cyc = rows.cyc
+                res.forwards += 1
+                p = cyc.next_step(p, mtp, None, res.cycles + 1, st.slots_needed())
+                mx.async_eval(p.bundle)
+                continue
             # Launch the next cycle before reading this one, so the device
             # never waits for the host; unless this cycle may end every
             # stream at its cap.
@@ -85,7 +115,7 @@ def run_cycles(
             early = not st.may_all_finish()
             if early:
                 mx.async_eval(spec.bundle)
-            commits, r = _decide(st, read_bundle(p, st), mtp)
+            commits, r = _decide(st, read_bundle(p, st, rows=rows), mtp)
             if not st.any_live():
                 st.apply(commits)
                 if early:

@@ -40,6 +40,9 @@ class BatchedDecodeResult(DraftStats):
         decode_s: seconds of the decode cycles.
         mask_s: host seconds of those spent on constraint masks (advance,
             mask, roll back; 0 without constraints).
+        row_cycles: rows of the batch summed over the cycles (a compacted
+            batch runs fewer rows; `engine.compaction`).
+        compactions: how many times the batch dropped its finished rows.
     """
 
     streams: list[StreamResult] = field(default_factory=list)
@@ -52,6 +55,8 @@ class BatchedDecodeResult(DraftStats):
     prefill_s: float = 0.0
     decode_s: float = 0.0
     mask_s: float = 0.0
+    row_cycles: int = 0
+    compactions: int = 0
 
     @property
     def generated_tokens(self) -> int:
