@@ -20,6 +20,10 @@ some rows of its last cycles belong to streams that already finished;
 decoding's, and "x (bound x live)" the engine's share of the bound with
 that tail priced in).
 
+--full-rows also runs every depth with `compact_rows=False` (the batch
+keeps its finished streams' rows to the end), interleaved with the rest:
+what dropping them buys.
+
 --gemm routes the decode-sized products: the decode GEMM (default), the
 older small-row kernel (at most 8 rows, OpenBLAS above) or OpenBLAS alone,
 for side-by-side runs of the same model.
@@ -50,15 +54,20 @@ from mtplx_ext import benchmark
 PREFILL = 64
 
 
-def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int) -> dict:
-    """Medians over repeats (methods interleaved per repeat) of whole decodes of all prompts."""
+def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int, full_rows: bool = False) -> dict:
+    """Medians over repeats (methods interleaved per repeat) of whole decodes of all prompts.
+
+    With `full_rows` every MTP depth also runs with `compact_rows=False`
+    ("k{d} full": the batch keeps its finished rows to the end).
+    """
     groups = benchmark.prompt_groups(prompts, batch)
-    methods = ["plain"] + [f"k{d}" for d in depths]
+    methods = ["plain"] + [f"k{d}" for d in depths] + ([f"k{d} full" for d in depths] if full_rows else [])
     runs: dict[str, list[benchmark.Run]] = {m: [] for m in methods}
     for rep in range(repeats + 1):  # the first round warms up (traces, kernels)
         for m in methods:
-            mtp, d = m != "plain", int(m[1:]) if m != "plain" else 1
-            r = benchmark.combined_runs([benchmark.engine_run(rt, g, n, mtp, depth=d) for g in groups])
+            mtp, d = m != "plain", int(m[1:].split()[0]) if m != "plain" else 1
+            r = benchmark.combined_runs([benchmark.engine_run(rt, g, n, mtp, depth=d, compact_rows=not m.endswith("full"))
+                                         for g in groups])
             if rep:
                 runs[m].append(r)
     out = {}
@@ -74,9 +83,11 @@ def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int)
             ],
             # Rows of the batch's forwards that belonged to a stream still decoding: a fixed batch runs
             # until its slowest stream is done, and MTP's streams finish at different cycles (a plain
-            # cycle gives each live stream one token).
+            # cycle gives each live stream one token); a batch that drops its finished rows forwards
+            # fewer rows (row_cycles).
             "live_rows": sum(r.tokens if m == "plain" else r.stream_cycles for r in rs)
-            / max(1, sum(r.cycles for r in rs) * batch),
+            / max(1, sum(r.row_cycles for r in rs)),
+            "row_cycles": sum(r.row_cycles for r in rs),
             "same_tokens_as_plain": sum(a == b for a, b in zip(rs[0].outputs, runs["plain"][0].outputs)),
             "streams": len(rs[0].outputs),
         }
@@ -151,6 +162,8 @@ def main() -> None:
     ap.add_argument("--plot", help="PNG: tokens/s and acceptance per depth (needs matplotlib)")
     ap.add_argument("--gemm", choices=("decode", "small", "openblas"), default="decode",
                     help="kernel for decode-sized products (default: the decode GEMM)")
+    ap.add_argument("--full-rows", action="store_true",
+                    help="also every depth with compact_rows=False (interleaved): batches keep finished rows")
     args = ap.parse_args()
     if args.gemm == "openblas":
         _blas.set_small_gemm_rows(0)
@@ -173,17 +186,18 @@ def main() -> None:
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch.split(",")):
         with patch_mlx_lm_ops():
-            e2e = end_to_end(rt, prompts, batch, depths, args.tokens, args.repeats)
+            e2e = end_to_end(rt, prompts, batch, depths, args.tokens, args.repeats, args.full_rows)
             cost = parts(rt, batch, depths, args.rounds, args.steps)
         rows = []
-        for d in depths:
-            m = e2e[f"k{d}"]
+        for d, name in [(d, f"k{d}") for d in depths] + [(d, f"k{d} full") for d in depths if f"k{d} full" in e2e]:
+            m = e2e[name]
             bound = (1 + m["mean_accepted_length"]) / (cost[f"verify{d + 1}"] + d * cost["head"])
             # MTP's tokens per cycle count only live rows; so do plain decoding's.
             live = m["live_rows"] / e2e["plain"]["live_rows"]
-            rows.append({"depth": d, **m, "verify": cost[f"verify{d + 1}"], "head": cost["head"], "bound": bound,
-                         "live_vs_plain": live})
-            print(f"| {batch} | {d} | {m['tokens_per_s']:.1f} | {m['x_plain']:.2f} | "
+            rows.append({"depth": d, "full_rows": name.endswith("full"), **m, "verify": cost[f"verify{d + 1}"],
+                         "head": cost["head"], "bound": bound, "live_vs_plain": live})
+            label = f"{d} (full rows)" if name.endswith("full") else str(d)
+            print(f"| {batch} | {label} | {m['tokens_per_s']:.1f} | {m['x_plain']:.2f} | "
                   f"{'/'.join(f'{a:.2f}' for a in m['acceptance_per_depth'])} | {m['mean_accepted_length']:.2f} | "
                   f"{cost[f'verify{d + 1}']:.2f} | {cost['head']:.2f} | {bound:.2f} | {m['x_plain'] / bound:.2f} | "
                   f"{live:.2f} | {m['x_plain'] / (bound * live):.2f} | "

@@ -24,7 +24,7 @@ import numpy as np
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s, weight_bytes
-from mtplx_ext.engine import generate_greedy_batched
+from mtplx_ext.engine import generate_batched
 from mtplx_ext.shipped import BENCH_PROMPTS
 from mtplx_ext.train import corpus
 
@@ -65,6 +65,7 @@ class Run:
     accepted_at: list[int] = field(default_factory=list)
     stream_cycles: int = 0  # cycles summed over the streams each was live in
     cycles: int = 0
+    row_cycles: int = 0  # rows of the batch summed over the cycles (fewer once a batch drops finished rows)
     repair_cycles: int = 0
     depths: list[int] = field(default_factory=list)  # the depth each decode ran at (0: plain)
 
@@ -81,11 +82,12 @@ def engine_run(
     enforce_eager: bool = False,
     depth: int | str = 1,
     reject_mode: str = "repair",
+    compact_rows: bool = True,
 ) -> Run:
     """One greedy decode of `prompts` as one batch, timed (the benches' unit of work); depth may be "auto"."""
-    r = generate_greedy_batched(
+    r = generate_batched(
         rt, prompts, max_new_tokens=n, use_mtp_draft=mtp, enforce_eager=enforce_eager, depth=depth,
-        reject_mode=reject_mode,
+        reject_mode=reject_mode, compact_rows=compact_rows,
     )
     per_stream = r.generated_tokens / len(prompts)
     return Run(
@@ -103,6 +105,7 @@ def engine_run(
         accepted_at=list(r.accepted_at),
         stream_cycles=r.stream_cycles,
         cycles=r.cycles,
+        row_cycles=r.row_cycles,
         repair_cycles=r.repair_cycles,
         depths=[r.depth],
     )
@@ -141,6 +144,7 @@ def combined_runs(runs: list[Run]) -> Run:
         accepted_at=[sum(c) for c in zip(*(r.accepted_at for r in runs))],
         stream_cycles=sum(r.stream_cycles for r in runs),
         cycles=sum(r.cycles for r in runs),
+        row_cycles=sum(r.row_cycles for r in runs),
         repair_cycles=sum(r.repair_cycles for r in runs),
         depths=[d for r in runs for d in r.depths],
     )

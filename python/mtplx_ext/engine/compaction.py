@@ -9,7 +9,9 @@ rows beyond that are FMA work on the CPU (and on a GPU once the batch is
 large).
 
 `Compactor` halves the batch whenever at most half of its rows are live:
-between two cycles, with none in flight, it gathers the live rows' cache
+between two cycles, with none in flight, it gathers the live rows (and
+finished ones up to a power of two, so that decodes meet the same few row
+counts and each is traced once, not once per live count) and their cache
 state (`cache.rows.RowState`, left padding kept), their next cycle's
 tokens and draft info into fresh caches of the same capacity and a new
 `Cycle`, whose compiled steps are the same kinds retraced once for the new
@@ -87,7 +89,11 @@ class Compactor:
 
         `p` must be the last launched cycle, its bundle read: nothing in flight.
         """
-        keep = np.flatnonzero(~done[self.rows])
+        live = ~done[self.rows]
+        # A power of two of rows (finished ones fill the rest): every decode
+        # compacts through the same few row counts, each traced once.
+        n = 1 << (int(np.count_nonzero(live)) - 1).bit_length()
+        keep = np.sort(np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[: n - int(live.sum())]]))
         idx = mx.array(keep, dtype=mx.int32)
         old = self.cyc
         positions = split_layers(old.caches())[0]
