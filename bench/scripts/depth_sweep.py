@@ -173,7 +173,8 @@ def main() -> None:
     rt = mtplx_ext.load(args.model)
     prompts = benchmark.heldout_prompts(rt.tokenizer, args.prompts, args.prompt_tokens, seed=args.seed)
     report = {"command": "python bench/scripts/depth_sweep.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "model"
+        f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+        for k, v in vars(args).items() if v is not None and v is not False and k != "model"
     ), "versions": benchmark.versions(), "batches": {}}
     floor = benchmark.streaming_floor(rt)
     report["floor"] = floor
