@@ -145,20 +145,28 @@ MTPLX_FUSED_INLINE void spans(
   }
 }
 
+// What every row block of job (b, g) reads.
+struct Job {
+  const Geometry& G;
+  const Inputs& in;
+  AttentionMask kind;
+  float scale;
+  int b, g;
+  const Rows& kv;
+  Scratch& sc;
+};
+
 // Rows [row0, row0 + R) of job (b, g), keys [lo, hi): the union of the
 // rows' spans.
 template <class S, int R>
-MTPLX_FUSED_INLINE void attend_block(
-    const Geometry& G,
-    const Inputs& in,
-    AttentionMask kind,
-    float scale,
-    int b,
-    int g,
-    int row0,
-    const Rows& kv,
-    Scratch& sc) {
+MTPLX_FUSED_INLINE void attend_block(const Job& job, int row0) {
   using bits_t = typename S::bits_t;
+  const Geometry& G = job.G;
+  const Inputs& in = job.in;
+  const AttentionMask kind = job.kind;
+  const int b = job.b, g = job.g;
+  const Rows& kv = job.kv;
+  Scratch& sc = job.sc;
   constexpr float lowest = lowest_of<S>();
   int lo = G.S, hi = 0;
   RowAt at[R];
@@ -169,7 +177,7 @@ MTPLX_FUSED_INLINE void attend_block(
     float* qd = sc.q.data() + r * G.Dp;
     load_row<S>(qr, in.qs[3], G.D, qd);
     for (int d = 0; d < G.D; ++d) {
-      qd[d] *= scale;
+      qd[d] *= job.scale;
     }
     lo = std::min(lo, sc.first[row0 + r]);
     hi = std::max(hi, sc.last[row0 + r]);
@@ -289,22 +297,12 @@ MTPLX_FUSED_INLINE void attend_block(
 }
 
 template <class S, int R = kBlockRows>
-MTPLX_FUSED_INLINE void block_of(
-    int r,
-    const Geometry& G,
-    const Inputs& in,
-    AttentionMask kind,
-    float scale,
-    int b,
-    int g,
-    int row0,
-    const Rows& kv,
-    Scratch& sc) {
+MTPLX_FUSED_INLINE void block_of(int r, const Job& job, int row0) {
   if constexpr (R >= 1) {
     if (r == R) {
-      attend_block<S, R>(G, in, kind, scale, b, g, row0, kv, sc);
+      attend_block<S, R>(job, row0);
     } else {
-      block_of<S, R - 1>(r, G, in, kind, scale, b, g, row0, kv, sc);
+      block_of<S, R - 1>(r, job, row0);
     }
   }
 }
@@ -364,12 +362,13 @@ MTPLX_FUSED_INLINE void attend_job(
 
   sc.q.assign(size_t(kBlockRows) * G.Dp, 0.0f);
   sc.scores.resize(size_t(kBlockRows) * G.Sp);
+  const Job job{G, in, kind, scale, b, g, kv, sc};
   const int blocks = (rows + kBlockRows - 1) / kBlockRows;
   const int base = rows / blocks, extra = rows % blocks;
   int row0 = 0;
   for (int t = 0; t < blocks; ++t) {
     const int r = base + (t < extra);
-    block_of<S>(r, G, in, kind, scale, b, g, row0, kv, sc);
+    block_of<S>(r, job, row0);
     row0 += r;
   }
 }
