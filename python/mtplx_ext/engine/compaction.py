@@ -16,7 +16,8 @@ state (`cache.rows.RowState`, left padding kept), their next cycle's
 tokens and draft info into fresh caches of the same capacity and a new
 `Cycle`, whose compiled steps are the same kinds retraced once for the new
 row count (and kept, like every compiled step, for the next decode). At
-most log2(B) compactions per decode. Each row's tokens do not change: a
+most log2(B) - 1 compactions per decode: batches under `MIN_ROWS` rows
+stay as they are. Each row's tokens do not change: a
 stream's forwards see only its own rows.
 
 A runtime (or a wrapper of one) that keeps per-row state outside its
@@ -45,6 +46,9 @@ from mtplx_ext.cache.rows import RowState, split_layers
 from mtplx_ext.engine.cycle import Cycle, Pending
 from mtplx_ext.engine.policies import GreedyPolicy
 
+#: Batches of fewer rows are not compacted (and a compaction keeps at least half this many).
+MIN_ROWS = 4
+
 
 def compactable(policy: Any, compiled: bool, mtp: bool, per_stream: bool) -> bool:
     """Whether a decode with this policy and mode can compact its rows."""
@@ -72,9 +76,13 @@ class Compactor:
         self.compactions = 0
 
     def due(self, done: np.ndarray) -> bool:
-        """At most half of the batch's rows still decode (and at least one)."""
+        """At most half of the batch's rows still decode (at least one), and the batch has 4 rows or more.
+
+        Below 4 rows a forward costs about what one row's does (the weights'
+        stream), so a halving would buy little and cost a trace.
+        """
         live = int(np.count_nonzero(~done[self.rows]))
-        return 0 < live <= len(self.rows) // 2
+        return len(self.rows) >= MIN_ROWS and 0 < live <= len(self.rows) // 2
 
     def expand(self, b: np.ndarray, streams: int) -> np.ndarray:
         """A bundle of the batch's rows as one row per stream (finished streams' rows zero)."""
@@ -92,7 +100,7 @@ class Compactor:
         live = ~done[self.rows]
         # A power of two of rows (finished ones fill the rest): every decode
         # compacts through the same few row counts, each traced once.
-        n = 1 << (int(np.count_nonzero(live)) - 1).bit_length()
+        n = max(MIN_ROWS // 2, 1 << (int(np.count_nonzero(live)) - 1).bit_length())
         keep = np.sort(np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[: n - int(live.sum())]]))
         idx = mx.array(keep, dtype=mx.int32)
         old = self.cyc

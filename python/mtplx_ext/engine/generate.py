@@ -85,8 +85,9 @@ def generate_batched(
             at every position (MTP stays on; `engine.constraint`). The
             constraint's stop token should be among `stop_token_ids`. Needs
             compiled steps and per-stream commit; runs the serial loop.
-        compact_rows: True halves the batch whenever at most half of its
-            streams still decode, so finished streams stop costing forwards
+        compact_rows: True halves a batch of 4 rows or more whenever at
+            most half of its streams still decode, so finished streams stop
+            costing forwards
             (`engine.compaction`: greedy decoding, compiled steps, the
             pipelined loop); False keeps every row to the end. Same tokens
             either way.
