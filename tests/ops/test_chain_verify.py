@@ -495,12 +495,16 @@ def test_metal_chain_kernels_equal_cpu_primitive_and_reference_on_the_emulator(r
         for b in range(B):
             n, c = greedy_chain_row(hx[b], tok[b])
             assert list(out[b]) == expected_bundle(n, c, int(tok[b, 0]), K, V)
-        # Sampled chain.
-        vl, dl, vh, dh, tk, u, counts, cfgs = sampled_case(rng, B, K, V, DTYPES[dtype])
+        # Sampled chain: about 4 % of rows lie within the tolerance of a
+        # decision and are skipped; 12 rows per case keep the share of
+        # skips below the bound at the end by many standard deviations (4
+        # rows per case failed it about once in a few hundred runs).
+        Bs = 12
+        vl, dl, vh, dh, tk, u, counts, cfgs = sampled_case(rng, Bs, K, V, DTYPES[dtype])
         tk = tk.astype(tok_dtype)
         out = _emu_sampled(emu, f"verify_sampled_chain_{dtype}_{tok_dtype}", vl, dl, tk, u, cfgs, counts, threads)
         cpu = _run(mtplx_ext.verify_sampled_chain, vl, dl, mx.array(tk), mx.array(u), cfgs, mx.array(counts))
-        for b in range(B):
+        for b in range(Bs):
             if chain_ambiguous(vh[b], dh[b], tk[b], cfgs[b], u[b], counts[b], TOL_F32):
                 skipped += 1
                 continue
