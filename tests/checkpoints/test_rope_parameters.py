@@ -22,7 +22,12 @@ from mtplx_ext.checkpoints import rope
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TOL = 2e-5
+#: Largest |logit difference| allowed between transformers and this package
+#: (float32 sums in other orders, the max over 2 x 80 x 128 logits; 2.01e-5
+#: was seen once against a former 2e-5). The unmapped folder must stay off
+#: by more than `OFF` (2e-3, where it has always been far beyond).
+TOL = 5e-5
+OFF = 2e-3
 
 
 def _deepseek(rng):
@@ -89,7 +94,7 @@ def test_a_transformers_5_folder_gives_transformers_logits(make, rng, tmp_path):
     if "partial_rotary_factor" in rp:
         cfg["partial_rotary_factor"] = 1.0
     (undone / "config.json").write_text(json.dumps(cfg))
-    assert _max_error(model, undone, tokens) > 100 * TOL
+    assert _max_error(model, undone, tokens) > OFF
 
 
 def test_an_unsupported_or_contradicting_rope_setting_is_refused_in_one_line(tmp_path):
