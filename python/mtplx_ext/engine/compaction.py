@@ -100,8 +100,9 @@ class Compactor:
         live = ~done[self.rows]
         # A power of two of rows (finished ones fill the rest): every decode
         # compacts through the same few row counts, each traced once.
-        n = max(MIN_ROWS // 2, 1 << (int(np.count_nonzero(live)) - 1).bit_length())
-        keep = np.sort(np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[: n - int(live.sum())]]))
+        n_live = int(np.count_nonzero(live))
+        n = max(MIN_ROWS // 2, 1 << (n_live - 1).bit_length())
+        keep = np.sort(np.concatenate([np.flatnonzero(live), np.flatnonzero(~live)[: n - n_live]]))
         idx = mx.array(keep, dtype=mx.int32)
         old = self.cyc
         positions = split_layers(old.caches())[0]

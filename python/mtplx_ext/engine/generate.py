@@ -87,10 +87,9 @@ def generate_batched(
             compiled steps and per-stream commit; runs the serial loop.
         compact_rows: True halves a batch of 4 rows or more whenever at
             most half of its streams still decode, so finished streams stop
-            costing forwards
-            (`engine.compaction`: greedy decoding, compiled steps, the
-            pipelined loop); False keeps every row to the end. Same tokens
-            either way.
+            costing forwards (`engine.compaction`: greedy decoding, compiled
+            steps, the pipelined loop); False keeps every row to the end.
+            Same tokens either way.
 
     Returns:
         A `BatchedDecodeResult`.
