@@ -201,14 +201,17 @@ def test_convert_writes_an_mlx_drafter_folder_float_bit_exact_and_quantized_like
         for i, s in enumerate(streams):
             check_stream(i, s, ref, gaps, set(), 8)
     assert runs[0].accepted_at == runs[1].accepted_at  # the float folder drafts as the HF one
-    # The 8-bit drafter's step stays near the float one's.
+    # The 8-bit drafter's step stays near the float one's: relative L2 error of
+    # the logits under 0.1 (8-bit, group 32 lands at 0.007-0.03 over random
+    # pairs; a 4-bit drafter, 16x coarser, at 0.15-0.52, so the bound can fail).
     cache = hf.make_cache([0], ragged=True, capacity=64)
     _, hidden = hf.forward(mx.array([prompts[0]]), cache)
     emb = gemma4_trunk.scaled_embed(hf.trunk, hf.trunk.model.embed_tokens(mx.array([[3]])))
     fr = ga.frozen_kv(hf.trunk, cache, hf.head.layer_types, WINDOW)
     a, _ = hf.head.step(emb, hidden[:, -1:], fr)
     b, _ = qt.head.step(emb, hidden[:, -1:], fr)
-    assert 0 < float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(a).max()) + 1e-3
+    rel = float(mx.sqrt(((a - b) ** 2).sum() / (a**2).sum()))
+    assert 0 < rel < 0.1, f"8-bit drafter logits: relative L2 error {rel:.3g}"
 
 
 def test_cli_refuses_a_missing_drafter_and_a_target_without_one_in_one_line(pair, tmp_path, capsys):
