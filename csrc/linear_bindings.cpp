@@ -35,6 +35,7 @@ void bind_linear(nb::module_& m) {
       nb::kw_only(),
       "stream"_a = nb::none());
   m.def("packed_linear_isa", &mtplx::packed_linear_isa);
+  m.def("set_packed_linear_isa", &mtplx::set_packed_linear_isa, "isa"_a);
   m.attr("PACKED_PANEL") = mtplx::kPackedPanel;
 }
 

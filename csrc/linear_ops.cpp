@@ -98,6 +98,10 @@ const char* packed_linear_isa() {
   return cpu::packed_gemm_isa();
 }
 
+std::string set_packed_linear_isa(const std::string& isa) {
+  return cpu::set_packed_gemm_isa(isa);
+}
+
 void PackedLinear::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error("PackedLinear has no GPU kernel");
 }

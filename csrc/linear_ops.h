@@ -1,6 +1,8 @@
 // Packed Linear weights for the CPU decode GEMM (cpu/packed_gemm.h).
 #pragma once
 
+#include <string>
+
 #include "mlx/array.h"
 #include "mlx/utils.h"
 
@@ -31,5 +33,9 @@ mx::array packed_linear(
 
 // "avx512", "avx2", "neon" or "generic": the kernel this CPU runs.
 const char* packed_linear_isa();
+
+// Tests: runs the packed kernels of `isa` ("" restores this CPU's pick);
+// returns the previous override (cpu/packed_gemm.h).
+std::string set_packed_linear_isa(const std::string& isa);
 
 } // namespace mtplx

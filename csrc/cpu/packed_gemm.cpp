@@ -3,6 +3,9 @@
 #include "cpu/packed_gemm.h"
 
 #include <algorithm>
+#include <atomic>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "cpu/thread_pool.h"
@@ -17,27 +20,43 @@ using PanelsFn = void (*)(const Call&, int, int);
 struct Isa {
   PanelsFn fn;
   const char* name;
+  int rows; // rows per full tile (the layout of Call::xt)
 };
 
 Isa pick_isa() {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-    return {packed_detail::panels_avx512, "avx512"};
+    return {packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512};
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {packed_detail::panels_avx2, "avx2"};
+    return {packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2};
   }
-  return {packed_detail::panels_generic, "generic"};
+  return {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
 #elif defined(__aarch64__)
-  return {packed_detail::panels_generic, "neon"};
+  return {packed_detail::panels_generic, "neon", packed_detail::kRowsGeneric};
 #else
-  return {packed_detail::panels_generic, "generic"};
+  return {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
 #endif
 }
 
+std::atomic<const Isa*> g_isa{nullptr};
+
 const Isa& isa() {
-  static const Isa i = pick_isa();
-  return i;
+  static const Isa picked = pick_isa();
+  const Isa* o = g_isa.load(std::memory_order_acquire);
+  return o ? *o : picked;
+}
+
+bool cpu_runs(const std::string& name) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+#endif
+  return name == "generic";
 }
 
 // Rows per block of x: the transposed block (K x 64 floats) stays in L2
@@ -56,6 +75,32 @@ const char* packed_gemm_isa() {
   return isa().name;
 }
 
+std::string set_packed_gemm_isa(const std::string& name) {
+  static const Isa generic{
+      packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
+  const Isa* next = nullptr;
+  if (!name.empty()) {
+    if (!cpu_runs(name)) {
+      throw std::invalid_argument(
+          "isa must be \"avx512\", \"avx2\" or \"generic\" and run on this "
+          "CPU, got \"" +
+          name + "\"");
+    }
+    next = &generic;
+#if defined(__x86_64__) && defined(__GNUC__)
+    static const Isa avx512{
+        packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512};
+    static const Isa avx2{
+        packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2};
+    if (name != "generic") {
+      next = name == "avx512" ? &avx512 : &avx2;
+    }
+#endif
+  }
+  const Isa* previous = g_isa.exchange(next, std::memory_order_acq_rel);
+  return previous ? previous->name : "";
+}
+
 void packed_gemm(
     const float* x,
     int64_t M,
@@ -69,16 +114,22 @@ void packed_gemm(
   const int parts =
       (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
   thread_local std::vector<float> xt;
-  const PanelsFn fn = isa().fn;
+  const Isa& kernel = isa();
+  const PanelsFn fn = kernel.fn;
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - b0);
     xt.resize(size_t(rows) * K);
-    // k outer: the rows' current cache lines stay in L1, writes are in order.
-    const float* xb = x + b0 * K;
+    // Tile by tile (packed_detail::Call), k outer: the tile's rows' current
+    // cache lines stay in L1, writes are in order.
+    const packed_detail::RowTiles tiles(rows, kernel.rows);
     float* out = xt.data();
-    for (int k = 0; k < K; ++k) {
-      for (int64_t i = 0; i < rows; ++i) {
-        *out++ = xb[i * K + k];
+    for (int64_t t = 0; t < tiles.count; ++t) {
+      const float* xb = x + (b0 + tiles.start(t)) * K;
+      const int64_t r = tiles.size(t);
+      for (int k = 0; k < K; ++k) {
+        for (int64_t i = 0; i < r; ++i) {
+          *out++ = xb[i * K + k];
+        }
       }
     }
     const Call c{xt.data(), rows, K, wp, N, y + b0 * N};

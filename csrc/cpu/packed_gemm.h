@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace mtplx {
 
@@ -45,10 +46,32 @@ void packed_gemm(
 // "neon" or "generic".
 const char* packed_gemm_isa();
 
+// Runs the kernels of `name` ("avx512", "avx2", "generic", or "" for the
+// CPU's own pick) from now on in this process, so that tests check every
+// kernel this CPU can run (they must give the same bits). Returns the
+// previous name; throws std::invalid_argument naming `isa` for a name this
+// CPU cannot run.
+std::string set_packed_gemm_isa(const std::string& name);
+
 namespace packed_detail {
 
-// Rows [0, M) of x, transposed: xt[k * M + i] = x[i, k] (broadcast loads of
-// one k then read M consecutive floats).
+// The row tiles of M rows for a kernel of up to R rows per tile: as few
+// tiles as R allows, of sizes as even as possible (the first M % tiles get
+// one row more), since every tile reads the weight chunk once more.
+struct RowTiles {
+  int64_t count, rows, extra;
+  RowTiles(int64_t M, int R)
+      : count((M + R - 1) / R),
+        rows(count ? M / count : 0),
+        extra(count ? M % count : 0) {}
+  int64_t size(int64_t t) const { return rows + (t < extra); }
+  int64_t start(int64_t t) const { return t * rows + (t < extra ? t : extra); }
+};
+
+// Rows [0, M) of x, transposed tile by tile (RowTiles(M, the kernel's
+// rows)): tile t's r rows from i0 = start(t) are the K x r block at
+// xt + i0 * K, xt[i0 * K + k * r + i] = x[i0 + i, k]. A tile's broadcasts
+// then read one sequential stream, r floats per k.
 struct Call {
   const float* xt;
   int64_t M;
@@ -62,6 +85,11 @@ struct Call {
 void panels_avx512(const Call& c, int p0, int p1);
 void panels_avx2(const Call& c, int p0, int p1);
 void panels_generic(const Call& c, int p0, int p1);
+
+// Rows per full tile of each kernel.
+constexpr int kRowsAvx512 = 8;
+constexpr int kRowsAvx2 = 4;
+constexpr int kRowsGeneric = 4;
 
 } // namespace packed_detail
 } // namespace cpu

@@ -11,7 +11,7 @@ namespace {
 struct Avx2 {
   using V = __m256;
   static constexpr int kLanes = 8;
-  static constexpr int kRows = 4;
+  static constexpr int kRows = kRowsAvx2;
   static constexpr int kCols = 3;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }

@@ -11,7 +11,7 @@ namespace {
 struct Avx512 {
   using V = __m512;
   static constexpr int kLanes = 16;
-  static constexpr int kRows = 8;
+  static constexpr int kRows = kRowsAvx512;
   static constexpr int kCols = 3;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

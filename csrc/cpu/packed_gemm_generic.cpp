@@ -14,7 +14,7 @@ typedef float v4 __attribute__((vector_size(16)));
 struct Generic {
   using V = v4;
   static constexpr int kLanes = 4;
-  static constexpr int kRows = 4;
+  static constexpr int kRows = kRowsGeneric;
   static constexpr int kCols = 6;
   static V zero() { return V{0, 0, 0, 0}; }
   static V load(const float* p) {

@@ -29,8 +29,9 @@ constexpr int64_t kPrefetchAhead = 64 * 1024;
 // at worst; small chunks keep the prefetch distance short.
 constexpr int kKChunk = 256;
 
-// Rows [i0, i0 + R) x the kCols vectors of columns at `col` of one panel,
-// k in [k0, k1): acc[i][j] += xt[k, i0 + i] * w[k, col + j * kLanes], k in
+// Rows [i0, i0 + R) (one row tile) x the kCols vectors of columns at `col`
+// of one panel, k in [k0, k1): acc[i][j] += x[i0 + i, k] * w[k, col + j *
+// kLanes], k in
 // order, starting from zero at k0 = 0 and from `out` (the previous chunk's
 // sums, stored as float32: the chain goes on unchanged) after.
 template <class T, int R>
@@ -55,7 +56,7 @@ inline void tile(
       acc[i][j] = k0 == 0 ? T::zero() : T::load(out + i * ldo + j * L);
     }
   }
-  const float* xt = c.xt + int64_t(k0) * c.M + i0;
+  const float* xt = c.xt + i0 * c.K + int64_t(k0) * R;  // the tile's block
   const float* w = panel + int64_t(k0) * kPackedPanel + col;
   for (int k = k0; k < k1; ++k) {
     pf.step();
@@ -68,7 +69,7 @@ inline void tile(
 #pragma GCC unroll 8
       for (int j = 0; j < C; ++j) acc[i][j] = T::fma(xv, wv[j], acc[i][j]);
     }
-    xt += c.M;
+    xt += R;
     w += kPackedPanel;
   }
 #pragma GCC unroll 16
@@ -101,19 +102,18 @@ inline void tile_of(
 }
 
 // Panels [p0, p1) for every row: panel by panel, each against every row
-// tile, rows cut into as few tiles as kRows allows, of sizes as even as
-// possible. A panel's last columns beyond N go to a scratch tile.
+// tile (RowTiles). A panel's last columns beyond N go to a scratch tile.
 template <class T>
 inline void panels(const Call& c, int p0, int p1) {
   constexpr int R = T::kRows;
   constexpr int W = T::kLanes * T::kCols;  // columns per column tile
   static_assert(kPackedPanel % W == 0);
   const int64_t panel_floats = int64_t(c.K) * kPackedPanel;
-  const int64_t tiles = (c.M + R - 1) / R;
+  const RowTiles rt(c.M, R);
+  const int64_t tiles = rt.count;
   if (tiles == 0) {
     return;
   }
-  const int64_t rows = c.M / tiles, extra = c.M % tiles;
   const char* stream_end = reinterpret_cast<const char*>(c.wp + p1 * panel_floats);
   // The last panel's tiles when it is partial: every row tile's sums
   // survive between k chunks (rows <= 64: at most 64 x 48 floats).
@@ -131,9 +131,9 @@ inline void panels(const Call& c, int p0, int p1) {
           std::min(here + kPrefetchAhead, stream_end),
           std::min(here + kPrefetchAhead + bytes, stream_end),
           tiles * (kPackedPanel / W) * int64_t(k1 - k0));
-      int64_t i0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int r = int(rows + (t < extra));
+        const int r = int(rt.size(t));
+        const int64_t i0 = rt.start(t);
         float* dst =
             full ? c.y + i0 * c.N + n0 : scratch + t * R * kPackedPanel;
         const int64_t ld = full ? c.N : kPackedPanel;
@@ -142,21 +142,19 @@ inline void panels(const Call& c, int p0, int p1) {
             tile_of<T>(r, c, i0, panel, col, k0, k1, dst + col, ld, pf);
           }
         }
-        i0 += r;
       }
     }
     if (!full) {  // the last panel's valid columns, from its scratch tiles
       const int valid = c.N - n0;
-      int64_t i0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
-        const int r = int(rows + (t < extra));
+        const int r = int(rt.size(t));
+        const int64_t i0 = rt.start(t);
         for (int i = 0; i < r; ++i) {
           std::memcpy(
               c.y + (i0 + i) * c.N + n0,
               scratch + (t * R + i) * kPackedPanel,
               sizeof(float) * valid);
         }
-        i0 += r;
       }
     }
   }

@@ -28,6 +28,28 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
+ISAS = ("avx512", "avx2", "generic")
+
+
+def runnable(isa: str) -> bool:
+    try:
+        L.set_packed_linear_isa(isa)
+    except ValueError:
+        return False
+    L.set_packed_linear_isa("")
+    return True
+
+
+@pytest.fixture(params=["", *ISAS])
+def isa(request):
+    """Each kernel this CPU can run ("": its own pick), restored afterwards."""
+    if request.param and not runnable(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} kernel")
+    L.set_packed_linear_isa(request.param)
+    yield request.param
+    L.set_packed_linear_isa("")
+
+
 def reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x @ w.T in float64 and the error bound of an ordered float32 FMA chain."""
     x64, w64 = x.astype(np.float64), w.astype(np.float64)
@@ -45,9 +67,9 @@ def run(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.array(y)
 
 
-@pytest.mark.parametrize("K", [1, 3, 64, 257])
+@pytest.mark.parametrize("K", [1, 3, 64, 257, 600])
 @pytest.mark.parametrize("N", [1, 47, 48, 49, 200])
-def test_matches_float64_reference(rng, K: int, N: int) -> None:
+def test_matches_float64_reference(rng, isa: str, K: int, N: int) -> None:
     w = rng.standard_normal((N, K)).astype(np.float32)
     detectable = []
     for M in (1, 2, 7, 8, 9, 17, 33, 64, 65, 130):
@@ -87,7 +109,7 @@ def test_strided_packed_weight_equals_its_dense_copy(rng) -> None:
     assert mx.array_equal(L.packed_linear(x, view, N), L.packed_linear(x, wp, N)).item()
 
 
-def test_rows_independent_of_the_call_and_threads(rng) -> None:
+def test_rows_independent_of_the_call_and_threads(rng, isa: str) -> None:
     """A row's result is bit for bit the same alone, in any batch, on 1 or 2 threads."""
     K, N = 640, 500  # 1.3 MB of weights: split over threads
     w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
@@ -164,4 +186,43 @@ def test_bad_inputs_name_the_argument(call, exc, name: str) -> None:
 
 
 def test_isa_is_known() -> None:
+    assert L.packed_linear_isa() in ("avx512", "avx2", "neon", "generic")
+
+
+def test_every_kernel_gives_the_same_bits(rng) -> None:
+    """One FMA chain per element in k order: the kernels of every instruction set agree bit for bit.
+
+    Row counts across every tile size (8-row AVX-512 tiles, 4-row AVX2 and
+    generic ones, the 64-row blocks), K across the 256-k chunks, N with a
+    partial last panel, on one thread and on two.
+    """
+    isas = [i for i in ISAS if runnable(i)]
+    assert "generic" in isas
+    K, N = int(rng.integers(257, 700)), int(rng.integers(200, 400))
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    wp = L.pack_linear_weight(w)
+    x = mx.array(rng.standard_normal((int(rng.integers(65, 140)), K)).astype(np.float32))
+    mx.eval(wp, x)
+    previous = set_cpu_threads(1)
+    try:
+        outs = {}
+        for threads in (1, 2):
+            set_cpu_threads(threads)
+            for i in isas:
+                L.set_packed_linear_isa(i)
+                for M in (1, 3, 5, 8, 9, 13, 24, 33, int(x.shape[0])):
+                    outs[i, threads, M] = L.packed_linear(x[:M], wp, N)
+                    mx.eval(outs[i, threads, M])
+    finally:
+        L.set_packed_linear_isa("")
+        set_cpu_threads(previous)
+    ref = outs["generic", 1, int(x.shape[0])]
+    for (i, threads, M), y in outs.items():
+        assert mx.array_equal(y, ref[:M]).item(), f"{i}, {threads} thread(s), M={M}"
+
+
+@pytest.mark.parametrize("bad, exc", [("sse", ValueError), ("neon ", ValueError), (3, TypeError)])
+def test_an_unknown_kernel_is_refused_naming_isa(bad, exc) -> None:
+    with pytest.raises(exc, match=r"\bisa\b"):
+        L.set_packed_linear_isa(bad)
     assert L.packed_linear_isa() in ("avx512", "avx2", "neon", "generic")

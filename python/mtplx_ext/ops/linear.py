@@ -55,4 +55,26 @@ def packed_linear_isa() -> str:
     return str(_ext.packed_linear_isa())
 
 
-__all__ = ["PANEL", "pack_linear_weight", "packed_linear", "packed_linear_isa", "unpack_linear_weight"]
+def set_packed_linear_isa(isa: str) -> str:
+    """Runs the packed GEMM's `isa` kernels ("avx512", "avx2", "generic"; "" restores this CPU's pick).
+
+    For tests and benchmarks: every kernel must give the same bits (one FMA
+    chain per output element), so a test runs each one this CPU can run.
+    Returns the previous override ("" for none).
+
+    Raises:
+        ValueError: `isa` is unknown or this CPU cannot run it.
+    """
+    if not isinstance(isa, str):
+        raise TypeError(f"isa must be a str, got {type(isa).__name__}")
+    return str(_ext.set_packed_linear_isa(isa))
+
+
+__all__ = [
+    "PANEL",
+    "pack_linear_weight",
+    "packed_linear",
+    "packed_linear_isa",
+    "set_packed_linear_isa",
+    "unpack_linear_weight",
+]
