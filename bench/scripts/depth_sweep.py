@@ -3,7 +3,9 @@
 For each batch size, in one run and interleaved per repeat: plain decoding
 and MTP decoding at depths 1..K of the same prompts (cut at random from
 Python stdlib files the shipped model was not trained on), greedy, compiled
-steps. Then the cycle's parts, timed as the engine runs them (compiled,
+steps. After every repeat, `--rounds` rounds of the cycle's parts (so that
+the parts and the decodes see the same phases of a machine whose speed
+drifts), timed as the engine runs them (compiled,
 fixed-capacity ragged caches after a 64-token prefill), in units of one plain
 step: a [B, K + 1] verification forward with `verify_greedy_chain`, and one
 chained head step. With L the mean accepted length measured end to end, a
@@ -54,11 +56,14 @@ from mtplx_ext import benchmark
 PREFILL = 64
 
 
-def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int, full_rows: bool = False) -> dict:
+def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int, full_rows: bool = False,
+               between=None) -> dict:
     """Medians over repeats (methods interleaved per repeat) of whole decodes of all prompts.
 
     With `full_rows` every MTP depth also runs with `compact_rows=False`
-    ("k{d} full": the batch keeps its finished rows to the end).
+    ("k{d} full": the batch keeps its finished rows to the end). `between()`
+    runs after every timed repeat (one round of the parts' timings: the bound
+    is then measured in the same phases of the machine as the decodes).
     """
     groups = benchmark.prompt_groups(prompts, batch)
     methods = ["plain"] + [f"k{d}" for d in depths] + ([f"k{d} full" for d in depths] if full_rows else [])
@@ -70,6 +75,8 @@ def end_to_end(rt, prompts, batch: int, depths: list[int], n: int, repeats: int,
                                          for g in groups])
             if rep:
                 runs[m].append(r)
+        if rep and between is not None:
+            between()
     out = {}
     for m in methods:
         rs = runs[m]
@@ -136,14 +143,25 @@ class Parts:
         return statistics.median(times)
 
 
-def parts(rt, batch: int, depths: list[int], rounds: int, steps: int) -> dict:
-    p = Parts(rt, batch, max(depths) + 1, steps)
-    named = {"plain": (p.forward(1), 1), "head": (p.head(), 1)}
-    named.update({f"verify{d + 1}": (p.forward(d + 1), d + 1) for d in depths})
-    rs = [{k: p.time(s, T) for k, (s, T) in named.items()} for _ in range(rounds)]
-    return {k: statistics.median(r[k] / r["plain"] for r in rs) for k in named} | {
-        "plain_ms": statistics.median(r["plain"] for r in rs) * 1e3
-    }
+class PartRounds:
+    """Rounds of the parts' timings for one batch size: `round()` times each part once more."""
+
+    def __init__(self, rt, batch: int, depths: list[int], steps: int):
+        p = Parts(rt, batch, max(depths) + 1, steps)
+        self.p = p
+        self.named = {"plain": (p.forward(1), 1), "head": (p.head(), 1)}
+        self.named.update({f"verify{d + 1}": (p.forward(d + 1), d + 1) for d in depths})
+        self.rounds: list[dict] = []
+
+    def round(self) -> None:
+        self.rounds.append({k: self.p.time(s, T) for k, (s, T) in self.named.items()})
+
+    def costs(self) -> dict:
+        """Medians over the rounds, in plain steps of the same round, and the plain step in ms."""
+        rs = self.rounds
+        return {k: statistics.median(r[k] / r["plain"] for r in rs) for k in self.named} | {
+            "plain_ms": statistics.median(r["plain"] for r in rs) * 1e3
+        }
 
 
 def main() -> None:
@@ -155,7 +173,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the parts' timings after each repeat")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json")
@@ -187,8 +205,10 @@ def main() -> None:
     print("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batch.split(",")):
         with patch_mlx_lm_ops():
-            e2e = end_to_end(rt, prompts, batch, depths, args.tokens, args.repeats, args.full_rows)
-            cost = parts(rt, batch, depths, args.rounds, args.steps)
+            pr = PartRounds(rt, batch, depths, args.steps)
+            e2e = end_to_end(rt, prompts, batch, depths, args.tokens, args.repeats, args.full_rows,
+                             between=lambda: [pr.round() for _ in range(args.rounds)])
+            cost = pr.costs()
         rows = []
         for d, name in [(d, f"k{d}") for d in depths] + [(d, f"k{d} full") for d in depths if f"k{d} full" in e2e]:
             m = e2e[name]
