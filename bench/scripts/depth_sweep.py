@@ -5,7 +5,7 @@ and MTP decoding at depths 1..K of the same prompts (cut at random from
 Python stdlib files the shipped model was not trained on), greedy, compiled
 steps. After every repeat, `--rounds` rounds of the cycle's parts (so that
 the parts and the decodes see the same phases of a machine whose speed
-drifts), timed as the engine runs them (compiled,
+drifts), timed as the engine runs them (compiled, launched back to back,
 fixed-capacity ragged caches after a 64-token prefill), in units of one plain
 step: a [B, K + 1] verification forward with `verify_greedy_chain`, and one
 chained head step. With L the mean accepted length measured end to end, a
@@ -133,14 +133,23 @@ class Parts:
         return CompiledStep(step, [self.head_cache])
 
     def time(self, step: CompiledStep, T: int) -> float:
+        """Seconds per step of `steps` steps run back to back, each launched before the last is done.
+
+        As the engine's loop runs them: the host builds the next step while
+        the CPU stream computes this one, so the time is the step's own, not
+        plus the host's work (timing one synchronous call at a time adds that
+        work to every part alike and so squeezes their ratios towards 1).
+        """
         tokens = mx.random.randint(0, self.rt.vocab_size, (self.B, T)).astype(mx.int32)
-        times = []
-        for i in range(self.steps + 3):
-            t = time.perf_counter()
+        for _ in range(3):  # the first calls trace and warm up
             mx.eval(step(tokens))
-            if i >= 3:  # the first calls trace and warm up
-                times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        t = time.perf_counter()
+        out = None
+        for _ in range(self.steps):
+            out = step(tokens)
+            mx.async_eval(out)
+        mx.eval(out)
+        return (time.perf_counter() - t) / self.steps
 
 
 class PartRounds:

@@ -31,9 +31,9 @@ constexpr int kKChunk = 256;
 
 // Rows [i0, i0 + R) (one row tile) x the kCols vectors of columns at `col`
 // of one panel, k in [k0, k1): acc[i][j] += x[i0 + i, k] * w[k, col + j *
-// kLanes], k in
-// order, starting from zero at k0 = 0 and from `out` (the previous chunk's
-// sums, stored as float32: the chain goes on unchanged) after.
+// kLanes], k in order, starting from zero at k0 = 0 and from `out` (the
+// previous chunk's sums, stored as float32: the chain goes on unchanged)
+// after.
 template <class T, int R>
 inline void tile(
     const Call& c,
@@ -114,7 +114,8 @@ inline void panels(const Call& c, int p0, int p1) {
   if (tiles == 0) {
     return;
   }
-  const char* stream_end = reinterpret_cast<const char*>(c.wp + p1 * panel_floats);
+  const char* stream_end =
+      reinterpret_cast<const char*>(c.wp + p1 * panel_floats);
   // The last panel's tiles when it is partial: every row tile's sums
   // survive between k chunks (rows <= 64: at most 64 x 48 floats).
   alignas(64) float scratch[64 * kPackedPanel];
@@ -125,11 +126,13 @@ inline void panels(const Call& c, int p0, int p1) {
     const bool full = n0 + kPackedPanel <= c.N;
     for (int k0 = 0; k0 < c.K; k0 += kKChunk) {
       const int k1 = std::min(c.K, k0 + kKChunk);
-      const char* here = reinterpret_cast<const char*>(panel + int64_t(k0) * kPackedPanel);
+      const char* here =
+          reinterpret_cast<const char*>(panel + int64_t(k0) * kPackedPanel);
       const int64_t bytes = int64_t(k1 - k0) * kPackedPanel * 4;
+      const int64_t left = stream_end - here;  // to the end of the thread's panels
       pf.aim(
-          std::min(here + kPrefetchAhead, stream_end),
-          std::min(here + kPrefetchAhead + bytes, stream_end),
+          here + std::min(kPrefetchAhead, left),
+          here + std::min(kPrefetchAhead + bytes, left),
           tiles * (kPackedPanel / W) * int64_t(k1 - k0));
       for (int64_t t = 0; t < tiles; ++t) {
         const int r = int(rt.size(t));
