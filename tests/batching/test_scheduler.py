@@ -281,3 +281,30 @@ def test_detokenizing_a_long_request_decodes_each_token_a_bounded_number_of_time
         assert text == shipped.tokenizer.decode(ids)
         # Decoding the whole request at every commit would read 3000 * 1501 / 2 ids.
         assert tok.decoded <= 12 * len(ids), tok.decoded
+
+
+def test_each_step_prefills_up_to_prefill_chunk_prompt_tokens_several_short_prompts_whole(shipped, rng):
+    """While streams decode a step prefills at most `prefill_chunk` prompt tokens: short prompts together, long ones a chunk at a time."""
+    chunk = 32
+    eng = Engine(shipped, max_batch=8, depth=2, prefill_chunk=chunk)
+    with eng.session():
+        first = eng.submit(_prompt(rng, shipped, 5, 10), max_tokens=200)
+        while eng.live_streams == 0:
+            eng.step()
+        lens = [int(n) for n in rng.integers(3, 9, size=4)]  # 12-32 tokens together
+        short = [eng.submit(_prompt(rng, shipped, n, n), max_tokens=200) for n in lens]
+        long_len = int(rng.integers(2 * chunk + 1, 3 * chunk))
+        long = eng.submit(_prompt(rng, shipped, long_len, long_len), max_tokens=4)
+        done = []
+        for _ in range(4):
+            before = eng.counters["prefill_tokens"]
+            eng.step()
+            done.append(eng.counters["prefill_tokens"] - before)
+        assert done[0] == sum(lens)  # the four short prompts whole; the long one's first chunk does not fit
+        assert all(r.prefill is None and r.tokens for r in short)  # each sent its first token
+        assert done[1:] == [chunk, chunk, long_len - 2 * chunk]  # then one chunk per step
+        assert long.tokens and first.finish_reason is None
+        for r in [first, *short]:
+            r.cancel()
+        eng.run_until_idle()
+    assert eng.live_streams == 0 and eng.kv_slots == 0

@@ -253,19 +253,30 @@ class Engine:
         return admission.fits([r.need for r in reqs], self.max_batch, self.max_kv_slots)
 
     def _prefill(self) -> None:
-        """Prefills waiting requests in order: one chunk while streams decode, else all that fit."""
+        """Prefills waiting requests in order: `prefill_chunk` prompt tokens while streams decode, else all that fit.
+
+        While streams decode, each engine step prefills at most
+        `prefill_chunk` prompt tokens: one chunk of a long prompt, or several
+        short prompts whole (each its own forward), so that requests that
+        arrive together join the batch together.
+        """
         budget = self.prefill_chunk if self._live else None
         held = [r for r in self._live if r.finish_reason is None] + self._ready
         while self._waiting:
             r = self._waiting[0]
             if r.prefill is None:
+                if budget is not None and min(self.prefill_chunk, len(r.prompt)) > budget:
+                    return  # its first chunk waits for the next step's budget
                 if not self._fits(held + [r]):
                     return  # waits (in order: nothing overtakes it)
                 self._start_prefill(r)
+            # The tokens this next() forwards: a whole chunk, or what is left of the prompt.
+            tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)
             try:
                 gen, cyc = r.prefill
                 try:
                     next(gen)
+                    r.prefill_pos += self.prefill_chunk
                     self.counters["prefill_tokens"] += self.prefill_chunk
                 except StopIteration as done:
                     self._waiting.popleft()
@@ -276,7 +287,7 @@ class Engine:
                     self._waiting.popleft()
                 self._fail(r, e)
             if budget is not None:
-                budget -= self.prefill_chunk
+                budget -= tokens
                 if budget <= 0:
                     return
 
@@ -288,7 +299,7 @@ class Engine:
         if entry is not None:
             self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
-        r.prefill = (steps, cyc)
+        r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
     def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
         r.prefill = None

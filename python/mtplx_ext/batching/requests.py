@@ -103,6 +103,7 @@ class Request:
         self.need = 0  # KV slots this request may use
         self.prefill: Any = None  # (generator, Cycle) while prefilling
         self.prefill_from = 0  # prompt positions loaded from the prefix cache
+        self.prefill_pos = 0  # prompt positions in its caches while prefilling
         self.row: Any = None  # its device rows once prefilled, until merged
         self.step_off = 0  # cycle the stream's own step count starts from
         # MTP: x0 was committed at the prefill; the first bundle repeats it.
