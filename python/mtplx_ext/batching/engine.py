@@ -253,13 +253,8 @@ class Engine:
         return admission.fits([r.need for r in reqs], self.max_batch, self.max_kv_slots)
 
     def _prefill(self) -> None:
-        """Prefills waiting requests in order: `prefill_chunk` prompt tokens while streams decode, else all that fit.
-
-        While streams decode, each engine step prefills at most
-        `prefill_chunk` prompt tokens: one chunk of a long prompt, or several
-        short prompts whole (each its own forward), so that requests that
-        arrive together join the batch together.
-        """
+        """Prefills waiting requests in order, each alone: all that fit, or while streams decode at most
+        `prefill_chunk` prompt tokens (short prompts whole, so that requests arriving together join together)."""
         budget = self.prefill_chunk if self._live else None
         held = [r for r in self._live if r.finish_reason is None] + self._ready
         while self._waiting:
@@ -270,8 +265,7 @@ class Engine:
                 if not self._fits(held + [r]):
                     return  # waits (in order: nothing overtakes it)
                 self._start_prefill(r)
-            # The tokens this next() forwards: a whole chunk, or what is left of the prompt.
-            tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)
+            tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
             try:
                 gen, cyc = r.prefill
                 try:
