@@ -94,10 +94,64 @@ def test_the_engine_and_generate_follow_the_measured_choice(shipped, monkeypatch
     eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto")
     assert not eng.mtp and eng.metrics()["depth"] == 0
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 1.0, "2": 1.05}, acceptance=[0.9, 0.9])
+    table[1] = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])  # plain: K = 1
     eng = mtplx_ext.Engine(shipped, max_batch=2, depth="auto")
-    assert eng.mtp and eng.depth == 2
+    assert eng.mtp and eng.depth == 2 and eng._depths == {1: 1, 2: 2}
     res = mtplx_ext.generate_greedy_batched(shipped, [[1, 2], [3]], max_new_tokens=8, depth="auto")
     assert res.depth == 2
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])
     res = mtplx_ext.generate_greedy_batched(shipped, [[1, 2], [3]], max_new_tokens=8, depth="auto")
     assert res.depth == 0 and res.drafted == 0
+
+
+def _costs_choosing(batch: int, k: int) -> DepthCosts:
+    """Costs whose best depth is k (high acceptance; depths past k cost far more)."""
+    cycle = {str(d): 1.0 + 0.05 * d if d <= k else 10.0 * d for d in range(6)}
+    return DepthCosts(batch=batch, cycle_s=cycle, acceptance=[0.9] * 5)
+
+
+def test_the_engine_runs_each_batch_size_at_its_own_auto_depth_and_stays_lossless(shipped, rng, monkeypatch):
+    """K follows the running batch's size (4 rows: K = 1, 2: K = 2, 1: K = 4); rows keep or pad their drafts."""
+    want = {1: 4, 2: 2, 4: 1}
+    monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: _costs_choosing(batch, want[batch]))
+    eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto", prefill_chunk=16)
+    assert eng._depths == want and eng.depth == 4
+    prompts = [rng.integers(0, shipped.vocab_size, size=int(rng.integers(2, 30))).tolist() for _ in range(6)]
+    caps = [int(rng.integers(6, 30)) for _ in prompts]
+    refs = [reference(shipped, p, n) for p, n in zip(prompts, caps)]
+    seen = set()
+    with eng.session():
+        reqs = [eng.submit(prompts[0], max_tokens=caps[0])]
+        for step in range(3000):
+            if step == 3:  # three more join the first: a batch of 4, then of 3, 2, 1 as they finish
+                reqs += [eng.submit(p, max_tokens=n) for p, n in zip(prompts[1:4], caps[1:4])]
+            if step == 12:
+                reqs += [eng.submit(p, max_tokens=n) for p, n in zip(prompts[4:], caps[4:])]
+            busy = eng.step()
+            if eng.live_streams:
+                seen.add((eng.live_streams, eng.cycle_depth))
+            if not busy and step > 12:
+                break
+    assert {k for _, k in seen} >= {1, 4}, seen
+    assert all(k == want[min(b for b in want if b >= rows)] for rows, k in seen), seen
+    for i, (r, (ref, gaps), n) in enumerate(zip(reqs, refs, caps)):
+        assert r.error is None
+        check_stream(i, r, ref, gaps, set(), n)
+
+
+def test_sampled_rows_survive_changes_of_k(shipped, rng, monkeypatch):
+    """Sampled rows moving between batch sizes (K = 4 alone, K = 1 at 4 rows) keep decoding to their caps."""
+    want = {1: 4, 2: 2, 4: 1}
+    monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: _costs_choosing(batch, want[batch]))
+    eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto", prefill_chunk=16)
+    cfg = mtplx_ext.SamplerConfig(temperature=0.8, top_p=0.95)
+    with eng.session():
+        reqs = [eng.submit(rng.integers(0, shipped.vocab_size, 8).tolist(), max_tokens=24, sampler=cfg, seed=1)]
+        for _ in range(4):
+            eng.step()
+        reqs += [eng.submit(rng.integers(0, shipped.vocab_size, 5).tolist(), max_tokens=int(n), sampler=cfg, seed=int(s))
+                 for n, s in zip(rng.integers(4, 20, 3), rng.integers(0, 2**31, 3))]
+        eng.run_until_idle()
+    for r in reqs:
+        assert r.error is None and r.finish_reason in ("stop", "length")
+        assert 0 < len(r.tokens) <= r.max_tokens and all(0 <= t < shipped.vocab_size for t in r.tokens)

@@ -10,7 +10,7 @@ prefilled ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
@@ -65,12 +65,35 @@ def one_hot_info(nxt: mx.array, vocab: int) -> mx.array:
     return mx.where(hot, 0.0, -30.0).astype(mx.float32)
 
 
-def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kind: str, mtp: bool, vocab: int) -> Rows:
+def fit_drafts(nxt: mx.array, info: mx.array | None, depth: int, vocab: int) -> tuple[mx.array, mx.array | None]:
+    """Rows' (x0, drafts) [B, K' + 1] and draft logits [B, K', V] cut or padded to `depth` drafts.
+
+    A batch of another K verifies the first `depth` drafts. Padded drafts
+    are token 0 with one-hot draft logits (`one_hot_info`): a greedy row
+    accepts one only where it is the target's own token, a sampled row with
+    probability p(0) and resamples from p without it otherwise, so both stay
+    exact; they only cost the one cycle's chance of accepting them.
+    """
+    have = nxt.shape[1] - 1
+    if have >= depth:
+        return nxt[:, : depth + 1], None if info is None else info[:, :depth]
+    nxt = mx.concatenate([nxt, mx.zeros((nxt.shape[0], depth - have), nxt.dtype)], axis=1)
+    if info is not None:
+        info = mx.concatenate([info, one_hot_info(nxt, vocab)[:, have:].astype(info.dtype)], axis=1)
+    return nxt, info
+
+
+def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kind: str, mtp: bool, vocab: int,
+               depth: int | None = None) -> Rows:
     """The rows of a recomposed batch: (rows, indices or None for all) in order.
 
     Rows without draft logits get one-hot ones when the batch samples, rows
-    without penalty counts get zero counts when it has penalties.
+    without penalty counts get zero counts when it has penalties; with MTP,
+    every row's drafts are fit to `depth` (`fit_drafts`).
     """
+    if mtp and depth is not None:
+        parts = [(replace(d, **dict(zip(("next", "info"), fit_drafts(d.next, d.info, depth, vocab)))), idx)
+                 for d, idx in parts]
 
     def cat(get: Callable[[Rows], mx.array]) -> mx.array:
         return mx.concatenate([get(d) if idx is None else get(d)[idx] for d, idx in parts], axis=0)

@@ -77,7 +77,7 @@ def recomposed(eng: Any, reqs: Sequence[Any], policy: Any) -> None:
 
     One read of the batch's next tokens; forced drafts go into the engine's next tokens and draft logits.
     """
-    g = eng._guide = guide(reqs, eng.vocab, eng.depth + 1 if eng.mtp else 1)
+    g = eng._guide = guide(reqs, eng.vocab, eng.cycle_depth + 1 if eng.mtp else 1)
     if g is not None:
         eng._next, eng._info = mask_next(g, policy, np.array(eng._next), [True] * len(reqs), eng.mtp, eng._next,
                                          eng._info)

@@ -39,9 +39,9 @@ class Engine:
             hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
             from the recurrent states captured at each verified position.
         max_batch: most streams decoding at once.
-        depth: drafts per cycle (K), or "auto": the depth that decodes a
-            full batch (max_batch streams) fastest here, 0 meaning plain
-            decoding (`mtplx_ext.engine.autodepth`; calibrated once, cached).
+        depth: drafts per cycle (K), or "auto": for each batch size the
+            depth that decodes it fastest here, plain decoding if that is a
+            full batch's choice (`admission.auto_depths`; calibrated once, cached).
         use_mtp: False decodes plainly (one token per forward), the baseline.
         max_kv_slots: most KV slots held by the running batch (rows times
             its per-row capacity); default max_batch times the context.
@@ -75,12 +75,13 @@ class Engine:
     ):
         self.rt = runtime
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
-        self.mtp, self.depth, self._route = admission.decode_mode(runtime, bool(use_mtp), depth, self.max_batch)
+        self.mtp, self.depth, self._route, self._depths = admission.engine_depths(
+            runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
+        self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest, the prefills')
         default_ctx = admission.model_context(runtime)
         self.context = as_int("context", context if context is not None else default_ctx, lo=2)
-        self.max_kv_slots = as_int(
-            "max_kv_slots", max_kv_slots if max_kv_slots is not None else self.max_batch * admission.capacity(self.context), lo=1
-        )
+        self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
+                                   else self.max_batch * admission.capacity(self.context), lo=1)
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
         self.prefix = PrefixCache(as_int("prefix_cache_bytes", prefix_cache_bytes, lo=0))
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
@@ -94,7 +95,7 @@ class Engine:
         self._ready: list[Request] = []  # prefilled, not merged yet
         self._live: list[Request] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
-        self._batches: dict[tuple[int, int, str, bool, bool, bool], Batch] = {}
+        self._batches: dict[tuple[int, int, str, bool, bool, bool, int], Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
@@ -150,8 +151,7 @@ class Engine:
         stop_ids = as_stop_ids(stop_token_ids, self.vocab)
         stops = admission.check_stops(stop, self.tokenizer is not None)
         seed = as_seed("seed", seed)
-        if seed is None:
-            seed = int(self._rng.integers(0, 2**63))
+        seed = int(self._rng.integers(0, 2**63)) if seed is None else seed
         admission.check_callback(on_event)
         depth = admission.request_depth(depth, self.depth, self.mtp)
         admission.check_context(len(prompt), max_tokens, self.context)
@@ -159,10 +159,8 @@ class Engine:
                       depth=depth, tokenizer=self.tokenizer, logprobs=logprobs)
         req.constraint = constrained.check_constraint(constraint)
         req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
-        if admission.capacity(req.need) > self.max_kv_slots:
-            raise ValueError(
-                f"the request needs {admission.capacity(req.need)} KV slots, more than max_kv_slots={self.max_kv_slots}"
-            )
+        if (slots := admission.capacity(req.need)) > self.max_kv_slots:
+            raise ValueError(f"the request needs {slots} KV slots, more than max_kv_slots={self.max_kv_slots}")
         self._inbox.put(req)
         return req
 
@@ -353,17 +351,20 @@ class Engine:
         parts += [(r.row, None) for r in new]
         for r in new:
             r.row = None
-        rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab)
+        K = self.cycle_depth = admission.depth_for(self._depths, B) if self._depths else self.depth
+        rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab, K)
         key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs),
-               self.mtp and any(r.depth < self.depth for r in reqs))  # rows that cap their drafts
+               self.mtp and any(r.depth < K for r in reqs), K)  # rows that cap their drafts; drafts per cycle
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = Batch(self.rt, B, cap, kind, self.depth, self.mtp, *key[3:])
+            batch = self._batches[key] = Batch(self.rt, B, cap, kind, K, self.mtp, *key[3:6])
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
         constrained.recomposed(self, reqs, batch.policy)  # sets _guide (and forced drafts in _next, _info)
-        self._streams = batch_streams(reqs, self.vocab, self.depth if self.mtp else 0, self.mtp, self.stats)
+        self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
+
+    per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)
 
     #: Launch each cycle before reading the one before it (off: one cycle at a
     #: time, for side-by-side measurements; the tokens are the same).

@@ -72,6 +72,8 @@ class LockstepEngine(Engine):
             after `collective.agree_auto_depth(group, runtime, [max_batch])`.
     """
 
+    per_batch_depth = False  # one K, agreed by the ranks
+
     def __init__(self, runtime: Any, group: Any, *, watchdog: Watchdog | None = None, **kwargs: Any):
         super().__init__(runtime, **kwargs)
         self.group = group
