@@ -3,6 +3,8 @@ and picks (within simulation noise) the depth a simulated decode finds fastest."
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import pytest
 
@@ -96,7 +98,7 @@ def test_the_engine_and_generate_follow_the_measured_choice(shipped, monkeypatch
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 1.0, "2": 1.05}, acceptance=[0.9, 0.9])
     table[1] = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])  # plain: K = 1
     eng = mtplx_ext.Engine(shipped, max_batch=2, depth="auto")
-    assert eng.mtp and eng.depth == 2 and eng._depths == {1: 1, 2: 2}
+    assert eng.mtp and eng.depth == 2 and eng._depths.depths == {1: 1, 2: 2}
     res = mtplx_ext.generate_greedy_batched(shipped, [[1, 2], [3]], max_new_tokens=8, depth="auto")
     assert res.depth == 2
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])
@@ -111,11 +113,14 @@ def _costs_choosing(batch: int, k: int) -> DepthCosts:
 
 
 def test_the_engine_runs_each_batch_size_at_its_own_auto_depth_and_stays_lossless(shipped, rng, monkeypatch):
-    """K follows the running batch's size (4 rows: K = 1, 2: K = 2, 1: K = 4); rows keep or pad their drafts."""
+    """K follows the batch size (4 rows: K = 1, 2: K = 2, 1: K = 4); rows keep or pad their drafts."""
     want = {1: 4, 2: 2, 4: 1}
     monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: _costs_choosing(batch, want[batch]))
     eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto", prefill_chunk=16)
-    assert eng._depths == want and eng.depth == 4
+    assert eng._depths.depths == want and eng.depth == 4
+    eng._depths.recent = deque(maxlen=1)  # K follows each batch's own size (the window: below)
+    sizes: deque = deque(maxlen=1)
+    recompositions = 0
     prompts = [rng.integers(0, shipped.vocab_size, size=int(rng.integers(2, 30))).tolist() for _ in range(6)]
     caps = [int(rng.integers(6, 30)) for _ in prompts]
     refs = [reference(shipped, p, n) for p, n in zip(prompts, caps)]
@@ -128,12 +133,14 @@ def test_the_engine_runs_each_batch_size_at_its_own_auto_depth_and_stays_lossles
             if step == 12:
                 reqs += [eng.submit(p, max_tokens=n) for p, n in zip(prompts[4:], caps[4:])]
             busy = eng.step()
-            if eng.live_streams:
-                seen.add((eng.live_streams, eng.cycle_depth))
+            if eng.counters["recompositions"] > recompositions and eng.live_streams:
+                recompositions = eng.counters["recompositions"]
+                sizes.append(eng.live_streams)
+                assert eng.cycle_depth == want[min(b for b in want if b >= max(sizes))], (list(sizes), eng.cycle_depth)
+                seen.add(eng.cycle_depth)
             if not busy and step > 12:
                 break
-    assert {k for _, k in seen} >= {1, 4}, seen
-    assert all(k == want[min(b for b in want if b >= rows)] for rows, k in seen), seen
+    assert seen >= {1, 4}, seen
     for i, (r, (ref, gaps), n) in enumerate(zip(reqs, refs, caps)):
         assert r.error is None
         check_stream(i, r, ref, gaps, set(), n)
@@ -155,3 +162,17 @@ def test_sampled_rows_survive_changes_of_k(shipped, rng, monkeypatch):
     for r in reqs:
         assert r.error is None and r.finish_reason in ("stop", "length")
         assert 0 < len(r.tokens) <= r.max_tokens and all(0 <= t < shipped.vocab_size for t in r.tokens)
+
+
+def test_the_depth_follows_the_largest_recent_batch_size(rng):
+    """Under steady load K stays the full batch's; once the batch stays small the deeper K takes over."""
+    from mtplx_ext.batching.admission import RECENT_BATCHES, BatchDepths
+
+    want = {1: 5, 2: 4, 4: 3, 8: 2}
+    d = BatchDepths(want)
+    sizes = [int(s) for s in rng.integers(1, 9, size=40)]
+    for i, n in enumerate(sizes):
+        top = max(sizes[max(0, i + 1 - RECENT_BATCHES) : i + 1])
+        assert d(n) == want[min(b for b in want if b >= top)]
+    assert [d(1) for _ in range(RECENT_BATCHES)][-1] == 5  # a run of one-row batches: K = 5 again
+    assert d(12) == 2  # beyond the largest calibrated size: its K

@@ -9,6 +9,7 @@ A running batch holds rows x its largest row's capacity slots.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,8 +118,31 @@ def decode_mode(runtime: Any, mtp: bool, depth: int | str, max_batch: int) -> tu
     return mtp, depth, recurrent and (mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
 
 
+#: depth="auto" runs the K of the largest of this many recent batch sizes.
+RECENT_BATCHES = 8
+
+
+class BatchDepths:
+    """depth="auto" per batch size: `depths(rows)` is the K for a batch of `rows` rows.
+
+    The K of the largest of the last `recent` batch sizes (`depth_for`): under
+    steady load streams come and go every few cycles, and a K that followed
+    each recomposition would flap between a small batch's deep K and a full
+    batch's shallow one, each change costing the drafts cut or padded. Once
+    the load stays low the deeper K takes over.
+    """
+
+    def __init__(self, depths: dict[int, int], recent: int = RECENT_BATCHES):
+        self.depths = depths
+        self.recent: deque[int] = deque(maxlen=recent)
+
+    def __call__(self, rows: int) -> int:
+        self.recent.append(rows)
+        return depth_for(self.depths, max(self.recent))
+
+
 def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per_batch: bool
-                  ) -> tuple[bool, int, bool, dict[int, int] | None]:
+                  ) -> tuple[bool, int, bool, BatchDepths | None]:
     """`decode_mode` plus, for depth="auto" with `per_batch`, the K per batch size (`auto_depths`).
 
     The depth returned is then the deepest of them: the prefills draft that
@@ -126,7 +150,7 @@ def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per
     """
     mtp, k, route = decode_mode(runtime, mtp, depth, max_batch)
     depths = auto_depths(runtime, max_batch) if depth == AUTO and mtp and per_batch else None
-    return mtp, max(depths.values()) if depths else k, route, depths
+    return mtp, max(depths.values()) if depths else k, route, BatchDepths(depths) if depths else None
 
 
 def auto_depths(runtime: Any, max_batch: int) -> dict[int, int] | None:
@@ -157,5 +181,5 @@ def request_depth(depth: object, engine_depth: int, mtp: bool) -> int:
     return k if depth is None else as_int("depth", depth, lo=0, hi=k + 1)
 
 
-__all__ = ["auto_depths", "KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
+__all__ = ["RECENT_BATCHES", "BatchDepths", "auto_depths", "KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
            "check_stops", "decode_mode", "depth_for", "engine_depths", "fits", "model_context", "request_depth", "request_need"]

@@ -351,7 +351,7 @@ class Engine:
         parts += [(r.row, None) for r in new]
         for r in new:
             r.row = None
-        K = self.cycle_depth = admission.depth_for(self._depths, B) if self._depths else self.depth
+        K = self.cycle_depth = self._depths(B) if self._depths else self.depth
         rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab, K)
         key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs),
                self.mtp and any(r.depth < K for r in reqs), K)  # rows that cap their drafts; drafts per cycle
