@@ -23,20 +23,41 @@ struct Isa {
   int rows; // rows per full tile (the layout of Call::xt)
 };
 
-Isa pick_isa() {
+// Every kernel this build has, fastest first.
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma")) {
-    return {packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512};
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2};
-  }
-  return {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
-#elif defined(__aarch64__)
-  return {packed_detail::panels_generic, "neon", packed_detail::kRowsGeneric};
+const Isa kIsas[] = {
+    {packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512},
+    {packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2},
+    {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric}};
 #else
-  return {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
+const Isa kIsas[] = {
+    {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric}};
 #endif
+
+bool cpu_runs(const Isa& i) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  const std::string name = i.name;
+  if (name == "avx512") {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }
+#endif
+  return true;
+}
+
+Isa pick_isa() {
+  for (const Isa& i : kIsas) {
+    if (cpu_runs(i)) {
+#if defined(__aarch64__)
+      return {i.fn, "neon", i.rows};
+#else
+      return i;
+#endif
+    }
+  }
+  return kIsas[0];  // unreachable: the generic kernel runs everywhere
 }
 
 std::atomic<const Isa*> g_isa{nullptr};
@@ -45,18 +66,6 @@ const Isa& isa() {
   static const Isa picked = pick_isa();
   const Isa* o = g_isa.load(std::memory_order_acquire);
   return o ? *o : picked;
-}
-
-bool cpu_runs(const std::string& name) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (name == "avx512") {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  }
-  if (name == "avx2") {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }
-#endif
-  return name == "generic";
 }
 
 // Rows per block of x: the transposed block (K x 64 floats) stays in L2
@@ -76,26 +85,19 @@ const char* packed_gemm_isa() {
 }
 
 std::string set_packed_gemm_isa(const std::string& name) {
-  static const Isa generic{
-      packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric};
   const Isa* next = nullptr;
   if (!name.empty()) {
-    if (!cpu_runs(name)) {
+    for (const Isa& i : kIsas) {
+      if (name == i.name && cpu_runs(i)) {
+        next = &i;
+      }
+    }
+    if (next == nullptr) {
       throw std::invalid_argument(
           "isa must be \"avx512\", \"avx2\" or \"generic\" and run on this "
           "CPU, got \"" +
           name + "\"");
     }
-    next = &generic;
-#if defined(__x86_64__) && defined(__GNUC__)
-    static const Isa avx512{
-        packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512};
-    static const Isa avx2{
-        packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2};
-    if (name != "generic") {
-      next = name == "avx512" ? &avx512 : &avx2;
-    }
-#endif
   }
   const Isa* previous = g_isa.exchange(next, std::memory_order_acq_rel);
   return previous ? previous->name : "";
