@@ -268,9 +268,10 @@ class Engine:
                 gen, cyc = r.prefill
                 try:
                     next(gen)
-                    r.prefill_pos += self.prefill_chunk
-                    self.counters["prefill_tokens"] += self.prefill_chunk
+                    r.prefill_pos += tokens
+                    self.counters["prefill_tokens"] += tokens
                 except StopIteration as done:
+                    self.counters["prefill_tokens"] += tokens
                     self._waiting.popleft()
                     self._finish_prefill(r, cyc, *done.value)
                     held.append(r)
@@ -298,7 +299,6 @@ class Engine:
         if self._prefix_ok:  # the prompt's positions and the pair of its last one with x0
             self.prefix.store(r.prompt + [int(np.array(tokens)[0, 0])], cyc.caches())
         r.row = Rows.prefilled(cyc, tokens, info)
-        self.counters["prefill_tokens"] += (len(r.prompt) - r.prefill_from) % self.prefill_chunk or self.prefill_chunk
         # The stream's own step count: its first verification (or plain pick) is
         # step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
