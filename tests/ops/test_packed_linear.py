@@ -71,6 +71,8 @@ def run(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("N", [1, 47, 48, 49, 200])
 def test_matches_float64_reference(rng, isa: str, K: int, N: int) -> None:
     w = rng.standard_normal((N, K)).astype(np.float32)
+    # The last k's weights kept away from 0, so dropping that term exceeds the bound for most rows even at N = 1.
+    w[:, -1] = np.sign(w[:, -1]) * (1 + np.abs(w[:, -1]))
     detectable = []
     for M in (1, 2, 7, 8, 9, 17, 33, 64, 65, 130):
         x = rng.standard_normal((M, K)).astype(np.float32)
