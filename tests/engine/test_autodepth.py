@@ -117,12 +117,14 @@ def test_the_engine_runs_each_batch_size_at_its_own_auto_depth_and_stays_lossles
     want = {1: 4, 2: 2, 4: 1}
     monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: _costs_choosing(batch, want[batch]))
     eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto", prefill_chunk=16)
-    assert eng._depths.depths == want and eng.depth == 4
+    assert eng._depths.depths == want and eng.depth == 5  # the deepest K calibrated: what a batch may run
     eng._depths.recent = deque(maxlen=1)  # K follows each batch's own size (the window: below)
+    eng._depths.running = None  # and not the acceptance (tests/batching/test_depths.py)
     sizes: deque = deque(maxlen=1)
     recompositions = 0
     prompts = [rng.integers(0, shipped.vocab_size, size=int(rng.integers(2, 30))).tolist() for _ in range(6)]
     caps = [int(rng.integers(6, 30)) for _ in prompts]
+    caps[0] = int(rng.integers(48, 60))  # still decoding when the next three are prefilled: a batch of 4
     refs = [reference(shipped, p, n) for p, n in zip(prompts, caps)]
     seen = set()
     with eng.session():
@@ -166,7 +168,7 @@ def test_sampled_rows_survive_changes_of_k(shipped, rng, monkeypatch):
 
 def test_the_depth_follows_the_largest_recent_batch_size(rng):
     """Under steady load K stays the full batch's; once the batch stays small the deeper K takes over."""
-    from mtplx_ext.batching.admission import RECENT_BATCHES, BatchDepths
+    from mtplx_ext.batching.depths import RECENT_BATCHES, BatchDepths
 
     want = {1: 5, 2: 4, 4: 3, 8: 2}
     d = BatchDepths(want)
@@ -176,3 +178,43 @@ def test_the_depth_follows_the_largest_recent_batch_size(rng):
         assert d(n) == want[min(b for b in want if b >= top)]
     assert [d(1) for _ in range(RECENT_BATCHES)][-1] == 5  # a run of one-row batches: K = 5 again
     assert d(12) == 2  # beyond the largest calibrated size: its K
+
+
+def _bernoulli_totals(rng, acc: list[float], cycles: int, K: int, start=None) -> tuple[list[int], list[int]]:
+    """Running totals (reached, accepted per draft position) after `cycles` more stream-cycles at depth K."""
+    reached, accepted = (list(start[0]), list(start[1])) if start else ([0] * K, [0] * K)
+    for _ in range(cycles):
+        for j in range(K):
+            reached[j] += 1
+            if rng.random() >= acc[j]:
+                break
+            accepted[j] += 1
+    return reached, accepted
+
+
+def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decoding_sees(rng):
+    prior = [float(a) for a in rng.uniform(0.3, 0.95, 4)]
+    run = autodepth.RunningAcceptance(prior)
+    assert run.estimate() == pytest.approx(prior)
+    true = [float(a) for a in rng.uniform(0.05, 0.95, 2)]
+    totals = ([0, 0], [0, 0])
+    for _ in range(30):  # the engine reports running totals after every cycle; here every 20 stream-cycles
+        totals = _bernoulli_totals(rng, true, 20, 2, totals)
+        run.observe(*totals)
+    est = run.estimate()
+    # Draft 1 (reached every cycle): near the truth over a window of about 2 x HALF_LIFE stream-cycles;
+    # positions depth 2 never reaches: the calibration's, scaled as draft 2's estimate moved from its own.
+    assert abs(est[0] - true[0]) < 0.2
+    assert est[2] == pytest.approx(min(1.0, prior[2] * est[1] / prior[1]))
+    assert est[3] == pytest.approx(min(1.0, prior[3] * est[2] / prior[2]))
+    # A workload that changes: after 5 half-lives at a new rate the estimate is there; totals that never
+    # decay (the broken variant) are still far from it.
+    follows = autodepth.RunningAcceptance(prior)
+    frozen = autodepth.RunningAcceptance(prior, half_life=float("inf"))
+    totals = ([0, 0], [0, 0])
+    for rate, n in ((0.05, 2000), (0.95, int(5 * autodepth.HALF_LIFE))):
+        for _ in range(n // 10):
+            totals = _bernoulli_totals(rng, [rate, rate], 10, 2, totals)
+            follows.observe(*totals)
+            frozen.observe(*totals)
+    assert follows.estimate()[0] > 0.8 and frozen.estimate()[0] < 0.5

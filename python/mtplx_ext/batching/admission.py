@@ -9,7 +9,6 @@ A running batch holds rows x its largest row's capacity slots.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,68 +117,11 @@ def decode_mode(runtime: Any, mtp: bool, depth: int | str, max_batch: int) -> tu
     return mtp, depth, recurrent and (mtp or bool(getattr(runtime, "cpu_ops_fused", False)))
 
 
-#: depth="auto" runs the K of the largest of this many recent batch sizes.
-RECENT_BATCHES = 8
-
-
-class BatchDepths:
-    """depth="auto" per batch size: `depths(rows)` is the K for a batch of `rows` rows.
-
-    The K of the largest of the last `recent` batch sizes (`depth_for`): under
-    steady load streams come and go every few cycles, and a K that followed
-    each recomposition would flap between a small batch's deep K and a full
-    batch's shallow one, each change costing the drafts cut or padded. Once
-    the load stays low the deeper K takes over.
-    """
-
-    def __init__(self, depths: dict[int, int], recent: int = RECENT_BATCHES):
-        self.depths = depths
-        self.recent: deque[int] = deque(maxlen=recent)
-
-    def __call__(self, rows: int) -> int:
-        self.recent.append(rows)
-        return depth_for(self.depths, max(self.recent))
-
-
-def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per_batch: bool
-                  ) -> tuple[bool, int, bool, BatchDepths | None]:
-    """`decode_mode` plus, for depth="auto" with `per_batch`, the K per batch size (`auto_depths`).
-
-    The depth returned is then the deepest of them: the prefills draft that
-    many, and requests may cap theirs up to it.
-    """
-    mtp, k, route = decode_mode(runtime, mtp, depth, max_batch)
-    depths = auto_depths(runtime, max_batch) if depth == AUTO and mtp and per_batch else None
-    return mtp, max(depths.values()) if depths else k, route, BatchDepths(depths) if depths else None
-
-
-def auto_depths(runtime: Any, max_batch: int) -> dict[int, int] | None:
-    """`depth="auto"` per batch size: {size: K} for 1, 2, 4, ... and max_batch, or None where K cannot vary.
-
-    A batch of B rows runs the K of the smallest listed size >= B (`depth_for`):
-    one stream decodes fastest at a deeper K than a full batch, whose
-    verification of B x (K + 1) rows costs more. Every K >= 1 (a batch size
-    whose own choice is plain decoding keeps depth 1; the full batch's
-    choice decides MTP on or off). None for runtimes whose head caches
-    depend on K (several MTP modules): their rows cannot change K.
-    """
-    if len(getattr(runtime, "mtp_modules", [])) > 1:
-        return None
-    sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
-    return {b: max(1, auto_depth(runtime, b)) for b in sizes}
-
-
-def depth_for(depths: dict[int, int], rows: int) -> int:
-    """The K of the smallest size in `depths` that holds `rows` rows (the largest size's K beyond it)."""
-    fits = [b for b in depths if b >= rows]
-    return depths[min(fits)] if fits else depths[max(depths)]
-
-
 def request_depth(depth: object, engine_depth: int, mtp: bool) -> int:
     """A request's most drafts per cycle: None gives the engine's K (0 without MTP); else an int in [0, K]."""
     k = engine_depth if mtp else 0
     return k if depth is None else as_int("depth", depth, lo=0, hi=k + 1)
 
 
-__all__ = ["RECENT_BATCHES", "BatchDepths", "auto_depths", "KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
-           "check_stops", "decode_mode", "depth_for", "engine_depths", "fits", "model_context", "request_depth", "request_need"]
+__all__ = ["KV_BLOCK", "capacity", "check_callback", "check_context", "check_logit_bias", "check_sampler",
+           "check_stops", "decode_mode", "fits", "model_context", "request_depth", "request_need"]

@@ -20,6 +20,7 @@ import numpy as np
 from mtplx_ext._checks import as_int, as_prompts, as_seed, as_stop_ids
 from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
+from mtplx_ext.batching.depths import engine_depths
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request, batch_kind
 from mtplx_ext.batching.runner import EngineThread
@@ -41,7 +42,7 @@ class Engine:
         max_batch: most streams decoding at once.
         depth: drafts per cycle (K), or "auto": for each batch size the
             depth that decodes it fastest here, plain decoding if that is a
-            full batch's choice (`admission.auto_depths`; calibrated once, cached).
+            full batch's choice (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
         use_mtp: False decodes plainly (one token per forward), the baseline.
         max_kv_slots: most KV slots held by the running batch (rows times
             its per-row capacity); default max_batch times the context.
@@ -75,9 +76,10 @@ class Engine:
     ):
         self.rt = runtime
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
-        self.mtp, self.depth, self._route, self._depths = admission.engine_depths(
+        self.mtp, self.depth, self._route, self._depths = engine_depths(
             runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
-        self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest, the prefills')
+        self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest a batch may run)
+        self._rechoose = False  # the acceptance seen moved K: recompose the batch at the new K
         default_ctx = admission.model_context(runtime)
         self.context = as_int("context", context if context is not None else default_ctx, lo=2)
         self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
@@ -182,12 +184,8 @@ class Engine:
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
-        """The context `step` runs in; `start` enters it itself.
-
-        Fused attention, wired memory and, on hybrid trunks, mlx-lm's
-        GatedDeltaNet routed through the capture op: all process-wide, and
-        all undone when the block ends (`stop` ends the engine thread's).
-        """
+        """The context `step` runs in (`start` enters it itself): fused attention, wired memory and, on hybrid
+        trunks, mlx-lm's GatedDeltaNet routed through the capture op; process-wide, undone when the block ends."""
         with session.decode_session(self.rt, self._route):
             yield
 
@@ -286,8 +284,9 @@ class Engine:
 
     def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
-        cyc = prefill_cycle(self.rt, r, cap, self.depth, self.mtp)
-        constrained.start_prefill(cyc, r, self.vocab, self.depth + 1 if self.mtp else 1)
+        k = max(self._depths.depths.values()) if self._depths else self.depth  # drafts cut to the batch's K
+        cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
+        constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
         entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)
         if entry is not None:
             self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
@@ -295,16 +294,14 @@ class Engine:
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
     def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
-        r.prefill = None
+        r.prefill, x0 = None, int(np.array(tokens)[0, 0])
         if self._prefix_ok:  # the prompt's positions and the pair of its last one with x0
-            self.prefix.store(r.prompt + [int(np.array(tokens)[0, 0])], cyc.caches())
+            self.prefix.store(r.prompt + [x0], cyc.caches())
         r.row = Rows.prefilled(cyc, tokens, info)
-        # The stream's own step count: its first verification (or plain pick) is
-        # step 1 (2) of a decode alone.
+        # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
-        # The prefill's token goes out now (time to first token = the prefill),
-        # with MTP too: its first cycle's bundle then starts with it again.
-        x0 = int(np.array(tokens)[0, 0])
+        # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
+        # cycle's bundle then starts with it again.
         constrained.finish_prefill(r, x0, self.mtp)
         r.cycles = 0
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
@@ -320,8 +317,9 @@ class Engine:
         """Drops finished rows and merges prefilled ones into one compact batch."""
         keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
         new = [r for r in self._ready if r.finish_reason is None]
-        if len(keep) == len(self._live) and not new:
+        if len(keep) == len(self._live) and not new and not self._rechoose:
             return
+        self._rechoose = False
         if self._inflight is not None:
             # The cycle launched ahead ran on the old rows: commit it first.
             p, self._inflight = self._inflight, None
@@ -386,10 +384,9 @@ class Engine:
     def _cycle(self) -> None:
         """Reads one cycle, after launching the one after it when the batch may stay as it is.
 
-        The next cycle depends only on device arrays (per-stream commit, plain
-        picks), so it runs while the host reads this one's bundle and streams
-        the tokens out; a row that finishes meanwhile only wastes its share of
-        that cycle, whose tokens for it are ignored.
+        The next cycle depends only on device arrays (per-stream commit, plain picks), so it runs while the host
+        reads this one's bundle and streams the tokens out; a row that finishes meanwhile wastes its share of it.
+        Then the acceptance seen so far may move K (`batching.depths`): the next step recomposes the batch.
         """
         try:
             p = self._inflight if self._inflight is not None else self._launch()
@@ -402,6 +399,9 @@ class Engine:
             self._fail_batch(e)
             return
         self._read(p)
+        if self._depths is not None and self._live and self._depths.observe(
+                self.stats.reached, self.stats.accepted_at, len(self._live), self.cycle_depth):
+            self._rechoose = True
 
     def _fail_batch(self, e: BaseException) -> None:
         for r in self._live:

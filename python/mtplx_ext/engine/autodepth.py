@@ -87,6 +87,68 @@ def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None) -
     return max(costs.depths(), key=lambda k: (tokens_per_s(costs, k, acceptance), -k))
 
 
+#: Pseudo-observations of the calibration's acceptance at each draft position: the running estimate's prior.
+PRIOR_WEIGHT = 8.0
+#: Stream-cycles after which an observation counts half: the estimate follows a workload that changes.
+HALF_LIFE = 128.0
+
+
+class RunningAcceptance:
+    """Acceptance per draft position as decoding sees it, the calibration's as the prior.
+
+    The calibration decodes a few code openings; served text may be
+    accepted far more (repetitive agent output) or far less (prose) often,
+    and the best K moves with it. Draft j's estimate is (accepted_j + w p_j)
+    / (reached_j + w), p_j the calibration's (scaled: `estimate`), w =
+    `PRIOR_WEIGHT`, over counts that decay by half every `HALF_LIFE`
+    stream-cycles.
+
+    Args:
+        prior: the calibration's acceptance per draft position.
+    """
+
+    def __init__(self, prior: Sequence[float], weight: float = PRIOR_WEIGHT, half_life: float = HALF_LIFE):
+        self.prior = np.clip(np.asarray(prior, dtype=np.float64), 0.0, 1.0)
+        self.weight, self.half_life = float(weight), float(half_life)
+        self.accepted = np.zeros_like(self.prior)
+        self.reached = np.zeros_like(self.prior)
+        self._last: tuple[np.ndarray, np.ndarray] | None = None
+
+    def _fit(self, counts: Sequence[int]) -> np.ndarray:
+        out = np.zeros_like(self.prior)
+        n = min(len(out), len(counts))
+        out[:n] = np.asarray(counts[:n], dtype=np.float64)
+        return out
+
+    def observe(self, reached: Sequence[int], accepted: Sequence[int]) -> bool:
+        """Takes running totals (a `DraftStats`'s `reached`, `accepted_at`); True when they moved."""
+        r, a = self._fit(reached), self._fit(accepted)
+        dr, da = (r, a) if self._last is None else (r - self._last[0], a - self._last[1])
+        self._last = (r, a)
+        if dr[0] <= 0:
+            return False
+        decay = 0.5 ** (dr[0] / self.half_life)
+        self.reached = self.reached * decay + dr
+        self.accepted = self.accepted * decay + da
+        return True
+
+    def estimate(self) -> list[float]:
+        """The acceptance per draft position now.
+
+        A deep position is reached only after every earlier draft was
+        accepted, so where the shallow ones are rarely accepted it is seen
+        seldom: its prior is the calibration's scaled as the position before
+        it moved from its own (text the head guesses worse at draft 1 it
+        guesses worse deeper too), not the calibration's value unchanged.
+        """
+        out, ratio = [], 1.0
+        for a, r, p in zip(self.accepted, self.reached, self.prior):
+            e = (a + self.weight * min(1.0, p * ratio)) / (r + self.weight)
+            ratio = e / p if p > 0 else 1.0
+            out.append(float(e))
+        return out
+
+
 def calibration_prompts(runtime: Any, batch: int, length: int = 16) -> list[list[int]]:
     """The same prompts every run: code openings through the model's tokenizer, else fixed random tokens.
 
@@ -204,6 +266,6 @@ def remember(runtime: Any, batch: int, costs: DepthCosts, max_depth: int = MAX_A
 
 
 __all__ = [
-    "AUTO", "MAX_AUTO_DEPTH", "DepthCosts", "cache_dir", "calibrate", "calibration_prompts", "choose_depth",
+    "AUTO", "HALF_LIFE", "MAX_AUTO_DEPTH", "PRIOR_WEIGHT", "DepthCosts", "RunningAcceptance", "cache_dir", "calibrate", "calibration_prompts", "choose_depth",
     "depth_costs", "expected_tokens", "remember", "tokens_per_s",
 ]

@@ -214,15 +214,21 @@ def _generate(
 
 def auto_depth(runtime: Any, batch: int, enforce_eager: bool = False) -> int:
     """The depth "auto" picks for `batch` streams (0: plain decoding), calibrating on first use."""
+    costs = auto_costs(runtime, batch, enforce_eager)
+    return 0 if costs is None else autodepth.choose_depth(costs)
+
+
+def auto_costs(runtime: Any, batch: int, enforce_eager: bool = False) -> autodepth.DepthCosts | None:
+    """The calibration "auto" decides from for `batch` streams (None without an MTP head), measured on first use."""
     if not getattr(runtime, "has_mtp", False):
-        return 0
+        return None
 
     def decode(prompts: list[list[int]], n: int, k: int) -> tuple[float, int, list[int], list[int]]:
         r = generate_greedy_batched(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
                                     enforce_eager=enforce_eager)
         return r.decode_s, r.cycles, list(r.accepted_at), list(r.reached)
 
-    return autodepth.choose_depth(autodepth.depth_costs(runtime, batch, decode))
+    return autodepth.depth_costs(runtime, batch, decode)
 
 
 def generate_greedy_batched(

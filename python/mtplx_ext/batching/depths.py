@@ -1,0 +1,137 @@
+"""depth="auto" in the Engine: a K per batch size that follows the acceptance the engine sees.
+
+Calibration (`engine.autodepth`) measures, per batch size 1, 2, 4, ... and
+`max_batch`, what a cycle costs at every K and how often the calibration's
+drafts were accepted. A batch of B rows runs the K of the smallest
+calibrated size that holds it; a verification of B x (K + 1) rows costs
+more the larger B is, so one stream runs deeper than a full batch.
+
+The acceptance of the text actually served decides too: the engine feeds
+its running totals to `BatchDepths.observe`, which re-picks every size's K
+against the running estimate (`autodepth.RunningAcceptance`) every
+`CHECK_EVERY` cycles, moving only when the new K is predicted at least
+`HYSTERESIS` faster than the old one. The engine then recomposes its batch
+at the new K (rows keep or pad their drafts: `batch.fit_drafts`).
+Greedy tokens never depend on K, and sampled decoding is exact at every K.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mtplx_ext.batching.admission import decode_mode
+from mtplx_ext.engine.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, tokens_per_s
+from mtplx_ext.engine.generate import auto_costs
+
+#: depth="auto" runs the K of the largest of this many recent batch sizes.
+RECENT_BATCHES = 8
+#: Cycles between two re-picks of K from the running acceptance.
+CHECK_EVERY = 16
+#: A re-picked K replaces the current one only when predicted this much faster (no flapping on noise).
+HYSTERESIS = 0.03
+
+
+def depth_for(depths: dict[int, int], rows: int) -> int:
+    """The K of the smallest size in `depths` that holds `rows` rows (the largest size's K beyond it)."""
+    fits = [b for b in depths if b >= rows]
+    return depths[min(fits)] if fits else depths[max(depths)]
+
+
+def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None) -> int:
+    """A batch size's K >= 1 for `acceptance` (None: the calibration's), moving from `current` only for a
+    predicted gain of at least `HYSTERESIS` (a size whose own choice is plain decoding keeps depth 1)."""
+    best = max(1, choose_depth(costs, acceptance))
+    if current is None or current == best or str(current) not in costs.cycle_s:
+        return best
+    gain = tokens_per_s(costs, best, acceptance) / tokens_per_s(costs, current, acceptance)
+    return best if gain >= 1 + HYSTERESIS else current
+
+
+class BatchDepths:
+    """depth="auto" per batch size: `depths(rows)` is the K for a batch of `rows` rows.
+
+    The K of the largest of the last `recent` batch sizes (`depth_for`):
+    under steady load streams come and go every few cycles, and a K that
+    followed each recomposition would flap between a small batch's deep K
+    and a full batch's shallow one, each change costing the drafts cut or
+    padded. Once the load stays low the deeper K takes over.
+
+    Args:
+        depths: {batch size: K} to start from.
+        recent: the window of batch sizes.
+        costs: {batch size: its calibration}: with them, K follows the
+            acceptance `observe` sees; without, `depths` stay as given.
+    """
+
+    def __init__(self, depths: dict[int, int], recent: int = RECENT_BATCHES,
+                 costs: dict[int, DepthCosts] | None = None):
+        self.depths = dict(depths)
+        self.recent: deque[int] = deque(maxlen=recent)
+        self.costs = costs
+        self.running: RunningAcceptance | None = None
+        if costs:
+            prior = np.mean([c.acceptance for c in costs.values()], axis=0) if all(
+                len(c.acceptance) == len(next(iter(costs.values())).acceptance) for c in costs.values()) else []
+            self.running = RunningAcceptance(prior) if len(prior) else None
+        self._cycles = 0
+
+    def freeze(self) -> None:
+        """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
+        self.running = None
+
+    def __call__(self, rows: int) -> int:
+        self.recent.append(rows)
+        return depth_for(self.depths, max(self.recent))
+
+    def observe(self, reached: Sequence[int], accepted: Sequence[int], rows: int, k: int) -> bool:
+        """Takes the engine's running draft totals after a cycle of `rows` rows at K = `k`.
+
+        Returns:
+            True when the running batch should change K now (the engine recomposes it).
+        """
+        if self.running is None or not self.running.observe(reached, accepted):
+            return False
+        self._cycles += 1
+        if self._cycles % CHECK_EVERY:
+            return False
+        est = self.running.estimate()
+        self.depths = {b: pick_depth(self.costs[b], est, self.depths.get(b)) for b in self.costs}
+        return depth_for(self.depths, max(self.recent, default=rows)) != k
+
+
+def auto_costs_by_size(runtime: Any, max_batch: int) -> dict[int, DepthCosts] | None:
+    """The calibrations of 1, 2, 4, ... and max_batch streams, or None where K cannot vary.
+
+    None for runtimes whose head caches depend on K (several MTP modules):
+    their rows cannot change K.
+    """
+    if len(getattr(runtime, "mtp_modules", [])) > 1 or not getattr(runtime, "has_mtp", False):
+        return None
+    sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
+    costs = {b: auto_costs(runtime, b) for b in sizes}
+    return None if any(c is None for c in costs.values()) else costs  # type: ignore[misc]
+
+
+def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per_batch: bool
+                  ) -> tuple[bool, int, bool, BatchDepths | None]:
+    """`admission.decode_mode` plus, for depth="auto" with `per_batch`, the K per batch size.
+
+    The depth returned is then the deepest K any size may pick (the
+    calibration's deepest): the prefills draft that many, and requests may
+    cap theirs up to it.
+    """
+    mtp, k, route = decode_mode(runtime, mtp, depth, max_batch)
+    costs = auto_costs_by_size(runtime, max_batch) if depth == AUTO and mtp and per_batch else None
+    if not costs:
+        return mtp, k, route, None
+    depths = BatchDepths({b: pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
+    deepest = max(max(c.depths()) for c in costs.values())
+    return mtp, max(deepest, *depths.depths.values()), route, depths
+
+
+__all__ = ["CHECK_EVERY", "HYSTERESIS", "RECENT_BATCHES", "BatchDepths", "auto_costs_by_size", "depth_for", "pick_depth",
+           "engine_depths"]

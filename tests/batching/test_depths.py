@@ -1,0 +1,128 @@
+"""depth="auto" in the Engine follows the acceptance it sees (`mtplx_ext.batching.depths`).
+
+The calibration's acceptance is a prior: the text actually served may be
+accepted far more or far less often, and the best K moves with it. The
+choices are checked against decodes played out with Bernoulli acceptance
+(not against the predictor under test), and an engine whose head drafts
+nothing useful leaves the calibration's deep K for K = 1 while every stream
+stays lossless.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from _greedy import check_stream, reference
+
+import mtplx_ext
+from mtplx_ext.batching import depths
+from mtplx_ext.engine import autodepth
+from mtplx_ext.engine.autodepth import DepthCosts
+from mtplx_ext.shipped import SHIPPED_MODEL
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPLX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(autodepth, "_MEMORY", {})
+
+
+def _played_out(costs: DepthCosts, acc: list[float], K: int, rng, cycles: int = 20000) -> float:
+    """Tokens per second of a decode played out: drafts accepted while Bernoulli(a_j) succeeds."""
+    ok = rng.random((cycles, K)) < np.asarray(acc[:K])
+    accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
+    return costs.batch * (1 + accepted.mean()) / costs.cycle_s[str(K)]
+
+
+def _feed(d: depths.BatchDepths, rng, acc: float, cycles: int, rows: int, k: int, totals) -> tuple[bool, tuple]:
+    """`cycles` engine cycles of `rows` streams at K = k with acceptance `acc`; True if any asked for a new K."""
+    reached, accepted = totals
+    moved = False
+    for _ in range(cycles):
+        for _ in range(rows):
+            for j in range(k):
+                reached[j] += 1
+                if rng.random() >= acc:
+                    break
+                accepted[j] += 1
+        moved |= d.observe(reached, accepted, rows, k)
+    return moved, (reached, accepted)
+
+
+def test_k_leaves_the_calibrations_choice_for_what_the_served_text_accepts(rng):
+    # Verification cheap enough that a deep K pays at high acceptance, not at low acceptance.
+    slope = float(rng.uniform(0.08, 0.15))
+    costs = {b: DepthCosts(batch=b, cycle_s={str(k): 1.0 + slope * k for k in range(6)}, acceptance=[0.95] * 5)
+             for b in (1, 2)}
+    d = depths.BatchDepths({b: depths.pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
+    k = d(2)
+    played = {K: _played_out(costs[2], [0.95] * 5, K, rng) for K in range(1, 6)}
+    assert played[k] >= 0.95 * max(played.values()) and k >= 3
+    totals = ([0] * 5, [0] * 5)
+    low = float(rng.uniform(0.05, 0.25))
+    moved, totals = _feed(d, rng, low, 6 * depths.CHECK_EVERY, 2, k, totals)
+    new = d(2)
+    played = {K: _played_out(costs[2], [low] * 5, K, rng) for K in range(1, 6)}
+    assert moved and new < k and played[new] >= 0.95 * max(played.values()), (low, new, played)
+    # Back to text the head guesses well: K goes deep again.
+    moved, totals = _feed(d, rng, 0.97, 16 * depths.CHECK_EVERY, 2, new, totals)
+    assert moved and d(2) >= 3
+
+
+def _moves(d: depths.BatchDepths, costs: DepthCosts, rng, acc: float, cycles: int) -> list[float]:
+    """Plays `cycles` one-row cycles at the running K; the predicted gain of every move K made."""
+    reached, accepted, k, gains = [0, 0], [0, 0], d(1), []
+    for _ in range(cycles):
+        for j in range(k):
+            reached[j] += 1
+            if rng.random() >= acc:
+                break
+            accepted[j] += 1
+        if d.observe(reached, accepted, 1, k):
+            est = d.running.estimate()
+            new = d(1)
+            gains.append(autodepth.tokens_per_s(costs, new, est) / autodepth.tokens_per_s(costs, k, est))
+            k = new
+    return gains
+
+
+def test_k_moves_only_for_a_predicted_gain_over_the_hysteresis(rng, monkeypatch):
+    # K = 1 and K = 2 predicted within a few % of each other near acceptance a: estimates wander across.
+    a = float(rng.uniform(0.4, 0.6))
+    c2 = (1 + a + a * a) / (1 + a)  # K = 2 exactly as fast as K = 1 at acceptance a
+    costs = DepthCosts(batch=1, cycle_s={"0": 10.0, "1": 1.0, "2": c2}, acceptance=[a, a])
+    gains = _moves(depths.BatchDepths({1: 2}, costs={1: costs}), costs, rng, a, 3000)
+    assert all(g >= 1 + depths.HYSTERESIS for g in gains), gains
+    # Without the hysteresis K flaps on the estimate's noise (the rule above would catch it).
+    monkeypatch.setattr(depths, "HYSTERESIS", 0.0)
+    flaps = _moves(depths.BatchDepths({1: 2}, costs={1: costs}), costs, rng, a, 3000)
+    assert len(flaps) > len(gains) and any(g < 1.03 for g in flaps), (gains, flaps)
+
+
+def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, rng, monkeypatch):
+    """Calibrated at acceptance 0.99 (K = 5 pays), served by a head that always drafts token 0."""
+    slope = 0.1
+    monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: DepthCosts(
+        batch=batch, cycle_s={str(k): 1.0 + slope * k for k in range(6)}, acceptance=[0.99] * 5))
+    rt = mtplx_ext.load(SHIPPED_MODEL)  # its own copy: its head is broken below
+    V = rt.vocab_size
+    rt.head_logits = lambda normed, module=0: mx.zeros(normed.shape[:-1] + (V,), mx.float32)
+    eng = mtplx_ext.Engine(rt, max_batch=2, depth="auto", prefill_chunk=16)
+    assert eng._depths.depths == {1: 5, 2: 5}
+    prompts = [rng.integers(0, V, size=int(rng.integers(4, 20))).tolist() for _ in range(3)]
+    caps = [int(rng.integers(30, 60)) for _ in prompts]
+    refs = [reference(shipped, p, n) for p, n in zip(prompts, caps)]
+    seen = set()
+    with eng.session():
+        reqs = [eng.submit(p, max_tokens=n) for p, n in zip(prompts, caps)]
+        for _ in range(5000):
+            busy = eng.step()
+            if eng.live_streams:
+                seen.add(eng.cycle_depth)
+            if not busy:
+                break
+    assert 5 in seen and 1 in seen, seen
+    for i, (r, (ref, gaps), n) in enumerate(zip(reqs, refs, caps)):
+        assert r.error is None
+        check_stream(i, r, ref, gaps, set(), n)
