@@ -32,7 +32,7 @@ RECENT_BATCHES = 8
 #: Cycles between two re-picks of K from the running acceptance.
 CHECK_EVERY = 16
 #: A re-picked K replaces the current one only when predicted this much faster (no flapping on noise).
-HYSTERESIS = 0.03
+HYSTERESIS = 0.1
 
 
 def depth_for(depths: dict[int, int], rows: int) -> int:
