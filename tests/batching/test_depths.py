@@ -35,17 +35,22 @@ def _played_out(costs: DepthCosts, acc: list[float], K: int, rng, cycles: int = 
     return costs.batch * (1 + accepted.mean()) / costs.cycle_s[str(K)]
 
 
+def _play(reached: list[int], accepted: list[int], rows: int, k: int, acc: float, rng) -> None:
+    """One engine cycle of `rows` streams at K = k into the running totals: drafts accepted while Bernoulli(acc)."""
+    for _ in range(rows):
+        for j in range(k):
+            reached[j] += 1
+            if rng.random() >= acc:
+                break
+            accepted[j] += 1
+
+
 def _feed(d: depths.BatchDepths, rng, acc: float, cycles: int, rows: int, k: int, totals) -> tuple[bool, tuple]:
     """`cycles` engine cycles of `rows` streams at K = k with acceptance `acc`; True if any asked for a new K."""
     reached, accepted = totals
     moved = False
     for _ in range(cycles):
-        for _ in range(rows):
-            for j in range(k):
-                reached[j] += 1
-                if rng.random() >= acc:
-                    break
-                accepted[j] += 1
+        _play(reached, accepted, rows, k, acc, rng)
         moved |= d.observe(reached, accepted, rows, k)
     return moved, (reached, accepted)
 
@@ -74,11 +79,7 @@ def _moves(d: depths.BatchDepths, costs: DepthCosts, rng, acc: float, cycles: in
     """Plays `cycles` one-row cycles at the running K; the predicted gain of every move K made."""
     reached, accepted, k, gains = [0, 0], [0, 0], d(1), []
     for _ in range(cycles):
-        for j in range(k):
-            reached[j] += 1
-            if rng.random() >= acc:
-                break
-            accepted[j] += 1
+        _play(reached, accepted, 1, k, acc, rng)
         if d.observe(reached, accepted, 1, k):
             est = d.running.estimate()
             new = d(1)
