@@ -72,11 +72,11 @@ class BatchDepths:
         self.depths = dict(depths)
         self.recent: deque[int] = deque(maxlen=recent)
         self.costs = costs
+        # The prior: the calibrations' acceptance per draft position, averaged over the sizes that saw it.
+        lengths = {len(c.acceptance) for c in (costs or {}).values()}
         self.running: RunningAcceptance | None = None
-        if costs:
-            prior = np.mean([c.acceptance for c in costs.values()], axis=0) if all(
-                len(c.acceptance) == len(next(iter(costs.values())).acceptance) for c in costs.values()) else []
-            self.running = RunningAcceptance(prior) if len(prior) else None
+        if len(lengths) == 1 and 0 not in lengths:
+            self.running = RunningAcceptance(np.mean([c.acceptance for c in costs.values()], axis=0))
         self._cycles = 0
 
     def freeze(self) -> None:
