@@ -127,3 +127,27 @@ def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, rn
     for i, (r, (ref, gaps), n) in enumerate(zip(reqs, refs, caps)):
         assert r.error is None
         check_stream(i, r, ref, gaps, set(), n)
+
+
+def test_sampled_and_penalised_rows_decode_to_their_caps_while_k_moves(rng, monkeypatch):
+    """The same broken head with sampled rows (one with penalties): K leaves 5, every request ends cleanly."""
+    monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: DepthCosts(
+        batch=batch, cycle_s={str(k): 1.0 + 0.1 * k for k in range(6)}, acceptance=[0.99] * 5))
+    rt = mtplx_ext.load(SHIPPED_MODEL)
+    V = rt.vocab_size
+    rt.head_logits = lambda normed, module=0: mx.zeros(normed.shape[:-1] + (V,), mx.float32)
+    eng = mtplx_ext.Engine(rt, max_batch=2, depth="auto", prefill_chunk=16)
+    samplers = [mtplx_ext.SamplerConfig(temperature=0.9, top_p=0.95),
+                mtplx_ext.SamplerConfig(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5)]
+    seen = set()
+    with eng.session():
+        reqs = [eng.submit(rng.integers(0, V, size=int(rng.integers(4, 12))).tolist(), max_tokens=int(n), sampler=s,
+                           seed=int(rng.integers(1 << 31)))
+                for s, n in zip(samplers * 2, rng.integers(30, 60, 4))]
+        while eng.step():
+            if eng.live_streams:
+                seen.add(eng.cycle_depth)
+    assert 5 in seen and min(seen) < 5, seen
+    for r in reqs:
+        assert r.error is None and r.finish_reason in ("stop", "length")
+        assert 0 < len(r.tokens) <= r.max_tokens and all(0 <= t < V for t in r.tokens)
