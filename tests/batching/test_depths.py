@@ -101,14 +101,20 @@ def test_k_moves_only_for_a_predicted_gain_over_the_hysteresis(rng, monkeypatch)
     assert len(flaps) > len(gains) and any(g < 1.03 for g in flaps), (gains, flaps)
 
 
-def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, rng, monkeypatch):
-    """Calibrated at acceptance 0.99 (K = 5 pays), served by a head that always drafts token 0."""
-    slope = 0.1
+@pytest.fixture
+def missing_head(monkeypatch):
+    """The shipped model (its own copy) calibrated at acceptance 0.99, so K = 5 pays, with a head that always
+    drafts token 0."""
     monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: DepthCosts(
-        batch=batch, cycle_s={str(k): 1.0 + slope * k for k in range(6)}, acceptance=[0.99] * 5))
-    rt = mtplx_ext.load(SHIPPED_MODEL)  # its own copy: its head is broken below
+        batch=batch, cycle_s={str(k): 1.0 + 0.1 * k for k in range(6)}, acceptance=[0.99] * 5))
+    rt = mtplx_ext.load(SHIPPED_MODEL)
+    rt.head_logits = lambda normed, module=0: mx.zeros(normed.shape[:-1] + (rt.vocab_size,), mx.float32)
+    return rt
+
+
+def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, missing_head, rng):
+    rt = missing_head
     V = rt.vocab_size
-    rt.head_logits = lambda normed, module=0: mx.zeros(normed.shape[:-1] + (V,), mx.float32)
     eng = mtplx_ext.Engine(rt, max_batch=2, depth="auto", prefill_chunk=16)
     assert eng._depths.depths == {1: 5, 2: 5}
     prompts = [rng.integers(0, V, size=int(rng.integers(4, 20))).tolist() for _ in range(3)]
@@ -129,13 +135,10 @@ def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, rn
         check_stream(i, r, ref, gaps, set(), n)
 
 
-def test_sampled_and_penalised_rows_decode_to_their_caps_while_k_moves(rng, monkeypatch):
-    """The same broken head with sampled rows (one with penalties): K leaves 5, every request ends cleanly."""
-    monkeypatch.setattr(autodepth, "depth_costs", lambda rt, batch, decode, max_depth=5: DepthCosts(
-        batch=batch, cycle_s={str(k): 1.0 + 0.1 * k for k in range(6)}, acceptance=[0.99] * 5))
-    rt = mtplx_ext.load(SHIPPED_MODEL)
+def test_sampled_and_penalised_rows_decode_to_their_caps_while_k_moves(missing_head, rng):
+    """Sampled rows (some with penalties) under the same head: K leaves 5, every request ends cleanly."""
+    rt = missing_head
     V = rt.vocab_size
-    rt.head_logits = lambda normed, module=0: mx.zeros(normed.shape[:-1] + (V,), mx.float32)
     eng = mtplx_ext.Engine(rt, max_batch=2, depth="auto", prefill_chunk=16)
     samplers = [mtplx_ext.SamplerConfig(temperature=0.9, top_p=0.95),
                 mtplx_ext.SamplerConfig(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5)]
