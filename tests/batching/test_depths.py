@@ -11,9 +11,9 @@ stays lossless.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from _greedy import check_stream, reference
+from _playout import play, simulated_tokens_per_s
 
 import mtplx_ext
 from mtplx_ext.batching import depths
@@ -28,29 +28,12 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(autodepth, "_MEMORY", {})
 
 
-def _played_out(costs: DepthCosts, acc: list[float], K: int, rng, cycles: int = 20000) -> float:
-    """Tokens per second of a decode played out: drafts accepted while Bernoulli(a_j) succeeds."""
-    ok = rng.random((cycles, K)) < np.asarray(acc[:K])
-    accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
-    return costs.batch * (1 + accepted.mean()) / costs.cycle_s[str(K)]
-
-
-def _play(reached: list[int], accepted: list[int], rows: int, k: int, acc: float, rng) -> None:
-    """One engine cycle of `rows` streams at K = k into the running totals: drafts accepted while Bernoulli(acc)."""
-    for _ in range(rows):
-        for j in range(k):
-            reached[j] += 1
-            if rng.random() >= acc:
-                break
-            accepted[j] += 1
-
-
 def _feed(d: depths.BatchDepths, rng, acc: float, cycles: int, rows: int, k: int, totals) -> tuple[bool, tuple]:
     """`cycles` engine cycles of `rows` streams at K = k with acceptance `acc`; True if any asked for a new K."""
     reached, accepted = totals
     moved = False
     for _ in range(cycles):
-        _play(reached, accepted, rows, k, acc, rng)
+        play(reached, accepted, rows, k, [acc] * k, rng)
         moved |= d.observe(reached, accepted, rows, k)
     return moved, (reached, accepted)
 
@@ -62,13 +45,13 @@ def test_k_leaves_the_calibrations_choice_for_what_the_served_text_accepts(rng):
              for b in (1, 2)}
     d = depths.BatchDepths({b: depths.pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
     k = d(2)
-    played = {K: _played_out(costs[2], [0.95] * 5, K, rng) for K in range(1, 6)}
+    played = {K: simulated_tokens_per_s(costs[2], [0.95] * 5, K, rng, cycles=20000) for K in range(1, 6)}
     assert played[k] >= 0.95 * max(played.values()) and k >= 3
     totals = ([0] * 5, [0] * 5)
     low = float(rng.uniform(0.05, 0.25))
     moved, totals = _feed(d, rng, low, 6 * depths.CHECK_EVERY, 2, k, totals)
     new = d(2)
-    played = {K: _played_out(costs[2], [low] * 5, K, rng) for K in range(1, 6)}
+    played = {K: simulated_tokens_per_s(costs[2], [low] * 5, K, rng, cycles=20000) for K in range(1, 6)}
     assert moved and new < k and played[new] >= 0.95 * max(played.values()), (low, new, played)
     # Back to text the head guesses well: K goes deep again.
     moved, totals = _feed(d, rng, 0.97, 16 * depths.CHECK_EVERY, 2, new, totals)
@@ -79,7 +62,7 @@ def _moves(d: depths.BatchDepths, costs: DepthCosts, rng, acc: float, cycles: in
     """Plays `cycles` one-row cycles at the running K; the predicted gain of every move K made."""
     reached, accepted, k, gains = [0, 0], [0, 0], d(1), []
     for _ in range(cycles):
-        _play(reached, accepted, 1, k, acc, rng)
+        play(reached, accepted, 1, k, [acc] * k, rng)
         if d.observe(reached, accepted, 1, k):
             est = d.running.estimate()
             new = d(1)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import pytest
 
 import mtplx_ext
 from mtplx_ext.engine import autodepth, generate
 from mtplx_ext.engine.autodepth import DepthCosts, choose_depth, expected_tokens
 from _greedy import check_stream, reference
+from _playout import play, simulated_tokens_per_s
 
 
 @pytest.fixture(autouse=True)
@@ -19,16 +19,6 @@ def fresh_cache(tmp_path, monkeypatch):
     """Every test calibrates into its own folder, from an empty memory."""
     monkeypatch.setenv("MTPLX_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(autodepth, "_MEMORY", {})
-
-
-def _simulated_tokens_per_s(costs: DepthCosts, acc: list[float], K: int, rng, cycles: int = 4000) -> float:
-    """A decode played out: each cycle accepts drafts while Bernoulli(a_j) succeeds, then commits one more."""
-    if K == 0:
-        return costs.batch / costs.cycle_s["0"]
-    u = rng.random((cycles, K))
-    ok = u < np.asarray(acc[:K])
-    accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
-    return costs.batch * (1 + accepted.mean()) / costs.cycle_s[str(K)]
 
 
 def _random_costs(rng, batch: int) -> tuple[DepthCosts, list[float]]:
@@ -43,7 +33,7 @@ def test_the_chosen_depth_is_as_fast_as_the_best_simulated_one(rng):
     naive_loses = 0
     for _ in range(40):
         costs, acc = _random_costs(rng, int(rng.integers(1, 9)))
-        sim = {k: _simulated_tokens_per_s(costs, acc, k, rng) for k in range(6)}
+        sim = {k: simulated_tokens_per_s(costs, acc, k, rng) for k in range(6)}
         best = max(sim.values())
         assert sim[choose_depth(costs)] >= 0.95 * best, (costs, sim)
         # A broken picker (always the deepest, ignoring cost) is caught by the same check.
@@ -180,18 +170,6 @@ def test_the_depth_follows_the_largest_recent_batch_size(rng):
     assert d(12) == 2  # beyond the largest calibrated size: its K
 
 
-def _bernoulli_totals(rng, acc: list[float], cycles: int, K: int, start=None) -> tuple[list[int], list[int]]:
-    """Running totals (reached, accepted per draft position) after `cycles` more stream-cycles at depth K."""
-    reached, accepted = (list(start[0]), list(start[1])) if start else ([0] * K, [0] * K)
-    for _ in range(cycles):
-        for j in range(K):
-            reached[j] += 1
-            if rng.random() >= acc[j]:
-                break
-            accepted[j] += 1
-    return reached, accepted
-
-
 def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decoding_sees(rng):
     prior = [float(a) for a in rng.uniform(0.3, 0.95, 4)]
     run = autodepth.RunningAcceptance(prior)
@@ -199,7 +177,7 @@ def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decod
     true = [float(a) for a in rng.uniform(0.05, 0.95, 2)]
     totals = ([0, 0], [0, 0])
     for _ in range(30):  # the engine reports running totals after every cycle; here every 20 stream-cycles
-        totals = _bernoulli_totals(rng, true, 20, 2, totals)
+        play(*totals, 20, 2, true, rng)
         run.observe(*totals)
     est = run.estimate()
     # Draft 1 (reached every cycle): near the truth over a window of about 2 x HALF_LIFE stream-cycles;
@@ -214,7 +192,7 @@ def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decod
     totals = ([0, 0], [0, 0])
     for rate, n in ((0.05, 2000), (0.95, int(5 * autodepth.HALF_LIFE))):
         for _ in range(n // 10):
-            totals = _bernoulli_totals(rng, [rate, rate], 10, 2, totals)
+            play(*totals, 10, 2, [rate, rate], rng)
             follows.observe(*totals)
             frozen.observe(*totals)
     assert follows.estimate()[0] > 0.8 and frozen.estimate()[0] < 0.5

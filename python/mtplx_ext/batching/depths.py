@@ -109,7 +109,7 @@ def auto_costs_by_size(runtime: Any, max_batch: int) -> dict[int, DepthCosts] | 
     None for runtimes whose head caches depend on K (several MTP modules):
     their rows cannot change K.
     """
-    if len(getattr(runtime, "mtp_modules", [])) > 1 or not getattr(runtime, "has_mtp", False):
+    if len(getattr(runtime, "mtp_modules", [])) > 1:
         return None
     sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch} | {max_batch})
     costs = {b: auto_costs(runtime, b) for b in sizes}
@@ -129,8 +129,7 @@ def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per
     if not costs:
         return mtp, k, route, None
     depths = BatchDepths({b: pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
-    deepest = max(max(c.depths()) for c in costs.values())
-    return mtp, max(deepest, *depths.depths.values()), route, depths
+    return mtp, max(max(c.depths()) for c in costs.values()), route, depths
 
 
 __all__ = ["CHECK_EVERY", "HYSTERESIS", "RECENT_BATCHES", "BatchDepths", "auto_costs_by_size", "depth_for", "pick_depth",
