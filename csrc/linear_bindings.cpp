@@ -5,6 +5,7 @@
 #include <nanobind/stl/variant.h>
 
 #include "cpu/packed_gemm.h"
+#include "cpu/qgemm.h"
 #include "linear_ops.h"
 
 namespace nb = nanobind;
@@ -36,6 +37,23 @@ void bind_linear(nb::module_& m) {
       "stream"_a = nb::none());
   m.def("packed_linear_isa", &mtplx::packed_linear_isa);
   m.def("set_packed_linear_isa", &mtplx::set_packed_linear_isa, "isa"_a);
+  m.def(
+      "packed_quantized_linear",
+      &mtplx::packed_quantized_linear,
+      "x"_a,
+      "wq"_a,
+      "sb"_a,
+      "n"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def("packed_quantized_linear_isa", &mtplx::packed_quantized_linear_isa);
+  m.def(
+      "set_packed_quantized_linear_isa",
+      &mtplx::set_packed_quantized_linear_isa,
+      "isa"_a);
+  m.attr("QUANTIZED_PANEL") = mtplx::kQPanel;
   m.attr("PACKED_PANEL") = mtplx::kPackedPanel;
 }
 

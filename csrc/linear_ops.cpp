@@ -4,6 +4,7 @@
 
 #include "arg_checks.h"
 #include "cpu/packed_gemm.h"
+#include "cpu/qgemm.h"
 #include "linear_primitives.h"
 #include "mlx/ops.h"
 
@@ -100,6 +101,97 @@ const char* packed_linear_isa() {
 
 std::string set_packed_linear_isa(const std::string& isa) {
   return cpu::set_packed_gemm_isa(isa);
+}
+
+mx::array packed_quantized_linear(
+    const mx::array& x,
+    const mx::array& wq,
+    const mx::array& sb,
+    int n,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  if (bits < 2 || bits > 8 || bits == 7) {
+    bad_arg("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    bad_arg(
+        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  }
+  if (wq.dtype() != mx::uint8) {
+    bad_arg("wq must be uint8");
+  }
+  const int block = group_size / cpu::q_step_k(bits) * 256;
+  if (wq.ndim() != 3 || wq.shape(0) < 1 || wq.shape(1) < 1 ||
+      wq.shape(2) != block) {
+    bad_arg(
+        "wq must have shape [P, G, " + std::to_string(block) +
+        "] with P, G >= 1 for group_size " + std::to_string(group_size) +
+        " and bits " + std::to_string(bits) + ", got " +
+        shape_str(wq.shape()));
+  }
+  const int P = wq.shape(0), G = wq.shape(1);
+  if (sb.dtype() != mx::float32 && sb.dtype() != mx::float16 &&
+      sb.dtype() != mx::bfloat16) {
+    bad_arg("sb must be float32, float16 or bfloat16");
+  }
+  if (sb.ndim() != 4 || sb.shape(0) != P || sb.shape(1) != G ||
+      sb.shape(2) != 2 || sb.shape(3) != kQPanel) {
+    bad_arg(
+        "sb must have shape [" + std::to_string(P) + ", " + std::to_string(G) +
+        ", 2, " + std::to_string(kQPanel) + "] to match wq, got " +
+        shape_str(sb.shape()));
+  }
+  if (n <= (P - 1) * kQPanel || n > P * kQPanel) {
+    bad_arg(
+        "n must be in (" + std::to_string((P - 1) * kQPanel) + ", " +
+        std::to_string(P * kQPanel) + "] for " + std::to_string(P) +
+        " panels, got " + std::to_string(n));
+  }
+  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 &&
+      x.dtype() != mx::bfloat16) {
+    bad_arg("x must be float32, float16 or bfloat16");
+  }
+  const int K = G * group_size;
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    bad_arg(
+        "x must have shape [..., K] with K = G * group_size = " +
+        std::to_string(K) + ", got " + shape_str(x.shape()));
+  }
+  auto st = mx::to_stream(s);
+  if (st.device.type == mx::Device::gpu) {
+    bad_arg(
+        "packed_quantized_linear runs on the CPU only (stream is a GPU "
+        "stream)");
+  }
+  // The kernel reads wq and sb as dense arrays; packed weights are (a
+  // Contiguous node only for a lazy or strided argument).
+  const auto dense = [&](const mx::array& a) {
+    return a.is_available() && a.flags().row_contiguous
+        ? a
+        : mx::contiguous(a, false, st);
+  };
+  auto shape = x.shape();
+  shape.back() = n;
+  return mx::array(
+      shape,
+      mx::promote_types(x.dtype(), sb.dtype()),
+      std::make_shared<PackedQuantizedLinear>(st, n, group_size, bits),
+      {x, dense(wq), dense(sb)});
+}
+
+const char* packed_quantized_linear_isa() {
+  return cpu::qgemm_isa();
+}
+
+std::string set_packed_quantized_linear_isa(const std::string& isa) {
+  return cpu::set_qgemm_isa(isa);
+}
+
+void PackedQuantizedLinear::eval_gpu(
+    const std::vector<mx::array>&,
+    mx::array&) {
+  throw std::runtime_error("PackedQuantizedLinear has no GPU kernel");
 }
 
 void PackedLinear::eval_gpu(const std::vector<mx::array>&, mx::array&) {

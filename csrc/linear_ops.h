@@ -38,4 +38,24 @@ const char* packed_linear_isa();
 // returns the previous override (cpu/packed_gemm.h).
 std::string set_packed_linear_isa(const std::string& isa);
 
+// x [..., K] @ W^T for an affine-quantized W [n, K] (group_size, bits)
+// repacked as cpu/qgemm.h lays out: wq [P, G, S * 256] uint8 and sb [P, G,
+// 2, 64] (scales, biases). [..., n] in the promoted dtype of x and sb. Every
+// row's result is independent of the other rows of x. CPU streams only.
+mx::array packed_quantized_linear(
+    const mx::array& x,
+    const mx::array& wq,
+    const mx::array& sb,
+    int n,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// "avx512" (VNNI), "avx2" or "generic": the quantized kernel this CPU runs.
+const char* packed_quantized_linear_isa();
+
+// Tests: runs the quantized kernels of `isa` ("" restores this CPU's pick);
+// returns the previous override.
+std::string set_packed_quantized_linear_isa(const std::string& isa);
+
 } // namespace mtplx

@@ -42,4 +42,35 @@ class PackedLinear : public mx::UnaryPrimitive {
   int n_;
 };
 
+// PackedQuantizedLinear: y = x W^T over an affine-quantized weight repacked
+// for the CPU's integer dot products (cpu/qgemm.h). CPU only, inference only.
+// Inputs: x [..., K] float32 / float16 / bfloat16, wq [P, G, S * 256] uint8,
+// sb [P, G, 2, 64] (scales, biases) float32 / float16 / bfloat16. Output:
+// [..., n] in the promoted dtype of x and sb (as mx.quantized_matmul).
+class PackedQuantizedLinear : public mx::UnaryPrimitive {
+ public:
+  PackedQuantizedLinear(mx::Stream stream, int n, int group_size, int bits)
+      : mx::UnaryPrimitive(stream), n_(n), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "PackedQuantizedLinear";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PackedQuantizedLinear&>(other);
+    return n_ == o.n_ && group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = n_;
+    return {shape};
+  }
+
+ private:
+  int n_, group_size_, bits_;
+};
+
 } // namespace mtplx

@@ -3,12 +3,10 @@
 #include "cpu/packed_gemm.h"
 
 #include <algorithm>
-#include <atomic>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "cpu/thread_pool.h"
+#include "cpu/kernel_choice.h"
 
 namespace mtplx::cpu {
 
@@ -17,55 +15,31 @@ namespace {
 using packed_detail::Call;
 using PanelsFn = void (*)(const Call&, int, int);
 
-struct Isa {
-  PanelsFn fn;
-  const char* name;
-  int rows; // rows per full tile (the layout of Call::xt)
-};
-
+#if defined(__x86_64__) && defined(__GNUC__)
+bool runs_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+}
+bool runs_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 // Every kernel this build has, fastest first.
-#if defined(__x86_64__) && defined(__GNUC__)
-const Isa kIsas[] = {
-    {packed_detail::panels_avx512, "avx512", packed_detail::kRowsAvx512},
-    {packed_detail::panels_avx2, "avx2", packed_detail::kRowsAvx2},
-    {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric}};
+const KernelVariant<PanelsFn> kVariants[] = {
+    {packed_detail::panels_avx512, "avx512", runs_avx512},
+    {packed_detail::panels_avx2, "avx2", runs_avx2},
+    {packed_detail::panels_generic, "generic", runs_everywhere}};
 #else
-const Isa kIsas[] = {
-    {packed_detail::panels_generic, "generic", packed_detail::kRowsGeneric}};
+const KernelVariant<PanelsFn> kVariants[] = {
+    {packed_detail::panels_generic, "generic", runs_everywhere}};
 #endif
 
-bool cpu_runs(const Isa& i) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  const std::string name = i.name;
-  if (name == "avx512") {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-  }
-  if (name == "avx2") {
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }
-#endif
-  return true;
-}
+KernelChoice g_kernel(kVariants);
 
-Isa pick_isa() {
-  for (const Isa& i : kIsas) {
-    if (cpu_runs(i)) {
-#if defined(__aarch64__)
-      return {i.fn, "neon", i.rows};
-#else
-      return i;
-#endif
-    }
-  }
-  return kIsas[0];  // unreachable: the generic kernel runs everywhere
-}
-
-std::atomic<const Isa*> g_isa{nullptr};
-
-const Isa& isa() {
-  static const Isa picked = pick_isa();
-  const Isa* o = g_isa.load(std::memory_order_acquire);
-  return o ? *o : picked;
+// Rows per full tile of a variant (the layout of Call::xt).
+int rows_of(const KernelVariant<PanelsFn>& v) {
+  const std::string name = v.name;
+  return name == "avx512" ? packed_detail::kRowsAvx512
+      : name == "avx2"    ? packed_detail::kRowsAvx2
+                          : packed_detail::kRowsGeneric;
 }
 
 // Rows per block of x: the transposed block (K x 64 floats) stays in L2
@@ -81,26 +55,15 @@ constexpr int64_t kSplitBytes = 1 << 20;
 } // namespace
 
 const char* packed_gemm_isa() {
-  return isa().name;
+#if defined(__aarch64__)
+  return "neon";  // the generic kernel, compiled for NEON
+#else
+  return g_kernel.get().name;
+#endif
 }
 
 std::string set_packed_gemm_isa(const std::string& name) {
-  const Isa* next = nullptr;
-  if (!name.empty()) {
-    for (const Isa& i : kIsas) {
-      if (name == i.name && cpu_runs(i)) {
-        next = &i;
-      }
-    }
-    if (next == nullptr) {
-      throw std::invalid_argument(
-          "isa must be \"avx512\", \"avx2\" or \"generic\" and run on this "
-          "CPU, got \"" +
-          name + "\"");
-    }
-  }
-  const Isa* previous = g_isa.exchange(next, std::memory_order_acq_rel);
-  return previous ? previous->name : "";
+  return g_kernel.set(name);
 }
 
 void packed_gemm(
@@ -116,14 +79,15 @@ void packed_gemm(
   const int parts =
       (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
   thread_local std::vector<float> xt;
-  const Isa& kernel = isa();
+  const auto& kernel = g_kernel.get();
   const PanelsFn fn = kernel.fn;
+  const int tile_rows = rows_of(kernel);
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - b0);
     xt.resize(size_t(rows) * K);
     // Tile by tile (packed_detail::Call), k outer: the tile's rows' current
     // cache lines stay in L1, writes are in order.
-    const packed_detail::RowTiles tiles(rows, kernel.rows);
+    const packed_detail::RowTiles tiles(rows, tile_rows);
     float* out = xt.data();
     for (int64_t t = 0; t < tiles.count; ++t) {
       const float* xb = x + (b0 + tiles.start(t)) * K;
@@ -135,30 +99,7 @@ void packed_gemm(
       }
     }
     const Call c{xt.data(), rows, K, wp, N, y + b0 * N};
-    if (parts == 1) {
-      fn(c, 0, P);
-    } else {
-      // Runs of panels claimed in order: first one long run per thread
-      // (three quarters of the panels), then two short runs per thread, so
-      // that a thread that is behind (preempted, or woken late) leaves only
-      // short runs to the others at the end.
-      // Fewer panels than that: one run per panel.
-      const bool guided = P >= 3 * parts;
-      const int tasks = guided ? 3 * parts : P;
-      const int64_t head = int64_t(P) * 3 / 4;
-      const auto bound = [&](int t) -> int {
-        if (!guided) {
-          return t;
-        }
-        if (t <= parts) {
-          return int(head * t / parts);
-        }
-        return int(head + (P - head) * (t - parts) / (tasks - parts));
-      };
-      parallel_for_pooled(tasks, parts, [&](int t) {
-        fn(c, bound(t), bound(t + 1));
-      });
-    }
+    parallel_panels(P, parts, [&](int p0, int p1) { fn(c, p0, p1); });
   }
 }
 

@@ -1,4 +1,5 @@
-// eval_cpu of PackedLinear: the packed GEMM over x's rows. An input that is
+// eval_cpu of PackedLinear and PackedQuantizedLinear: the packed GEMMs over
+// x's rows. An input that is
 // not row contiguous (rare: packed weights and most activations are) is
 // gathered into a dense copy first, here rather than by a Contiguous node in
 // the graph, which would cost a node on every decode-time Linear.
@@ -6,6 +7,7 @@
 
 #include "cpu/fused_common.h"
 #include "cpu/packed_gemm.h"
+#include "cpu/qgemm.h"
 #include "cpu/thread_pool.h"
 #include "linear_primitives.h"
 
@@ -31,7 +33,71 @@ const float* dense(const mx::array& a, std::vector<float>& buf) {
   return buf.data();
 }
 
+// x's values as float32 rows (x [..., K] of any float dtype and strides):
+// its own buffer when it is float32 and row contiguous, else a copy.
+const float* dense_f32(const mx::array& a, std::vector<float>& buf) {
+  if (a.dtype() == mx::float32) {
+    return dense(a, buf);
+  }
+  const int D = a.shape(-1);
+  const int64_t rows = int64_t(a.size() / D);
+  const cpu::RowWalker walk(a);
+  buf.resize(a.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto* src = a.data<uint16_t>() + walk.offset(r);
+    float* dst = buf.data() + r * D;
+    if (a.dtype() == mx::float16) {
+      cpu::load_row<cpu::F16>(src, walk.col_stride(), D, dst);
+    } else {
+      cpu::load_row<cpu::BF16>(src, walk.col_stride(), D, dst);
+    }
+  }
+  return buf.data();
+}
+
+cpu::ScaleType scale_type(mx::Dtype t) {
+  return t == mx::float32 ? cpu::ScaleType::f32
+      : t == mx::float16  ? cpu::ScaleType::f16
+                          : cpu::ScaleType::bf16;
+}
+
 } // namespace
+
+void PackedQuantizedLinear::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    mx::array& out) {
+  auto job = [n = n_, gs = group_size_, bits = bits_](
+                 std::vector<mx::array>& in, mx::array& out) {
+    const mx::array& x = in[0];
+    const mx::array& wq = in[1];
+    const mx::array& sb = in[2];
+    const int K = wq.shape(1) * gs;
+    const int64_t M = int64_t(x.size() / K);
+    if (M == 0) {
+      return;
+    }
+    // The op makes wq and sb row contiguous.
+    std::vector<float> x_buf, y_buf;
+    float* y = out.dtype() == mx::float32
+        ? out.data<float>()
+        : (y_buf.resize(size_t(M) * n), y_buf.data());
+    cpu::qgemm(
+        dense_f32(x, x_buf), M, K, wq.data<uint8_t>(), sb.data<void>(),
+        scale_type(sb.dtype()), n, gs, bits, y, cpu::cpu_threads_or_one());
+    if (out.dtype() == mx::float16) {
+      auto* o = out.data<uint16_t>();
+      for (size_t i = 0; i < y_buf.size(); ++i) {
+        o[i] = cpu::F16::store(y_buf[i]);
+      }
+    } else if (out.dtype() == mx::bfloat16) {
+      auto* o = out.data<uint16_t>();
+      for (size_t i = 0; i < y_buf.size(); ++i) {
+        o[i] = cpu::BF16::store(y_buf[i]);
+      }
+    }
+  };
+  cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
+}
 
 void PackedLinear::eval_cpu(
     const std::vector<mx::array>& inputs,

@@ -1,5 +1,6 @@
 // The CPU kernels' worker pool (see thread_pool.h).
 #include "cpu/thread_pool.h"
+#include "cpu/kernel_choice.h"
 
 #include <algorithm>
 #include <atomic>
@@ -443,6 +444,32 @@ void parallel_for(
                           std::chrono::steady_clock::now() - t0)
                           .count();
   g_chooser.record(pooled, wall / (cost > 0 ? cost : double(n)));
+}
+
+
+
+// cpu/kernel_choice.h
+void parallel_panels(
+    int P,
+    int parts,
+    const std::function<void(int, int)>& f) {
+  if (parts <= 1) {
+    f(0, P);
+    return;
+  }
+  const bool guided = P >= 3 * parts;
+  const int tasks = guided ? 3 * parts : P;
+  const int64_t head = int64_t(P) * 3 / 4;
+  const auto bound = [&](int t) -> int {
+    if (!guided) {
+      return t;
+    }
+    if (t <= parts) {
+      return int(head * t / parts);
+    }
+    return int(head + (P - head) * (t - parts) / (tasks - parts));
+  };
+  parallel_for_pooled(tasks, parts, [&](int t) { f(bound(t), bound(t + 1)); });
 }
 
 } // namespace mtplx::cpu

@@ -22,6 +22,7 @@ from mlx.nn.layers.distributed import AllToShardedLinear, ShardedToAllLinear
 
 from mtplx_ext import _ext
 from mtplx_ext.models.module_swap import swap_modules
+from mtplx_ext.models.packed_quantized import pack_cpu_quantized, unpack_cpu_quantized
 from mtplx_ext.ops import linear as linear_ops
 
 
@@ -143,13 +144,20 @@ def unpack_cpu_linears(model: nn.Module) -> int:
 
 @contextmanager
 def linears_unpacked(model: nn.Module) -> Iterator[int]:
-    """Within the block the model's `PackedLinear`s are `nn.Linear`s (saving, converting); packed again after."""
+    """Within the block the model's packed layers are mlx's (saving, converting); packed again after.
+
+    Covers `PackedLinear` (back to `nn.Linear`) and the packed quantized
+    layers (back to mlx's quantized ones).
+    """
     n = unpack_cpu_linears(model)
+    nq = unpack_cpu_quantized(model)
     try:
-        yield n
+        yield n + nq
     finally:
         if n:
             pack_cpu_linears(model)
+        if nq:
+            pack_cpu_quantized(model)
 
 
 __all__ = ["PackedLinear", "linears_unpacked", "pack_cpu_linears", "packing_available", "unpack_cpu_linears"]

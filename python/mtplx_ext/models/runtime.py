@@ -15,6 +15,7 @@ from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 from mtplx_ext.models.fused_modules import fuse_cpu_ops
 from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, packing_available
+from mtplx_ext.models.packed_quantized import PackedQuantizedLinear, pack_cpu_quantized
 
 
 def _check_left_padding(left_padding: object) -> list[int]:
@@ -88,8 +89,11 @@ class MTPRuntime(nn.Module):
         stream they run `mx.fast`). Decoding also routes mlx-lm's attention
         through the fused op while it runs. With `pack_linears`, when the
         default device is the CPU and the CPU has vector FMAs, the float32
-        Linear layers are packed for the CPU decode GEMM (`pack_cpu_linears`).
-        Same weights, same results up to float32 rounding.
+        Linear layers are packed for the CPU decode GEMM (`pack_cpu_linears`),
+        and on a CPU default device the affine-quantized layers (embedding
+        and LM head included) are repacked for the CPU's quantized GEMM
+        (`pack_cpu_quantized`; results within the int8 rounding of the
+        activations of mlx's quantized matmul).
 
         Returns:
             The number of modules swapped.
@@ -97,14 +101,16 @@ class MTPRuntime(nn.Module):
 
         n = fuse_cpu_ops(self)
         object.__setattr__(self, "_cpu_ops_fused", True)
-        if pack_linears and mx.default_device() == mx.cpu and packing_available():
-            n += pack_cpu_linears(self)
+        if pack_linears and mx.default_device() == mx.cpu:
+            if packing_available():
+                n += pack_cpu_linears(self)
+            n += pack_cpu_quantized(self)
         return n
 
     @property
     def linears_packed(self) -> bool:
-        """Whether any Linear layer is packed for the CPU decode GEMM."""
-        return any(isinstance(m, PackedLinear) for m in self.modules())
+        """Whether any Linear layer (float or quantized) is packed for a CPU decode GEMM."""
+        return any(isinstance(m, (PackedLinear, PackedQuantizedLinear)) for m in self.modules())
 
     @property
     def has_mtp(self) -> bool:

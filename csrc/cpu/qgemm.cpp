@@ -1,0 +1,147 @@
+// The quantized packed GEMM's driver (see qgemm.h): quantizes the
+// activations row by row, picks the instruction set once, and splits the
+// panels over threads.
+#include "cpu/qgemm.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "cpu/kernel_choice.h"
+
+namespace mtplx::cpu {
+
+namespace {
+
+using qgemm_detail::Call;
+using qgemm_detail::PanelsFn;
+
+// One variant's kernels for every (container, scale type).
+struct QKernels {
+  PanelsFn fn[2][3];  // [nibbles][scale type]
+};
+
+#define MTPLX_QKERNELS(fn)                                              \
+  QKernels {                                                            \
+    {{qgemm_detail::fn<false, ScaleType::f32>,                          \
+      qgemm_detail::fn<false, ScaleType::f16>,                          \
+      qgemm_detail::fn<false, ScaleType::bf16>},                        \
+     {qgemm_detail::fn<true, ScaleType::f32>,                           \
+      qgemm_detail::fn<true, ScaleType::f16>,                           \
+      qgemm_detail::fn<true, ScaleType::bf16>}}                         \
+  }
+
+const QKernels kGeneric = MTPLX_QKERNELS(panels_generic);
+#if defined(__x86_64__) && defined(__GNUC__)
+const QKernels kAvx512 = MTPLX_QKERNELS(panels_avx512);
+const QKernels kAvx2 = MTPLX_QKERNELS(panels_avx2);
+bool runs_avx512_vnni() {
+  return __builtin_cpu_supports("avx512f") &&
+      __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni");
+}
+bool runs_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+      __builtin_cpu_supports("f16c");
+}
+const KernelVariant<const QKernels*> kVariants[] = {
+    {&kAvx512, "avx512", runs_avx512_vnni},
+    {&kAvx2, "avx2", runs_avx2},
+    {&kGeneric, "generic", runs_everywhere}};
+#else
+const KernelVariant<const QKernels*> kVariants[] = {
+    {&kGeneric, "generic", runs_everywhere}};
+#endif
+
+KernelChoice g_kernel(kVariants);
+
+// Rows per block: the block's quantized activations stay in L1 / L2, and
+// the weight streams from memory once per block.
+constexpr int64_t kRowBlock = 64;
+
+// Weights of at least this many bytes split their panels over threads (as
+// the float packed GEMM).
+constexpr int64_t kSplitBytes = 1 << 20;
+
+// Row i's groups: int8 values and their RowGroup (qgemm.h; xs the float
+// sum of x in order, c = 2^(bits - 1)). A group holding Inf or NaN gets
+// d = NaN, so that its outputs are NaN as the dequantized product's would
+// be, never a silent number.
+void quantize_row(
+    const float* x,
+    int K,
+    int group_size,
+    int bits,
+    int8_t* xq,
+    qgemm_detail::RowGroup* rg) {
+  const int c = 1 << (bits - 1);
+  for (int g = 0, k0 = 0; k0 < K; ++g, k0 += group_size) {
+    float amax = 0.0f, sum = 0.0f;
+    bool finite = true;
+    for (int k = k0; k < k0 + group_size; ++k) {
+      finite = finite && std::isfinite(x[k]);
+      amax = std::max(amax, std::fabs(x[k]));
+      sum += x[k];
+    }
+    const float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+    int32_t qsum = 0;
+    for (int k = k0; k < k0 + group_size; ++k) {
+      xq[k] = int8_t(std::nearbyint(x[k] * inv));
+      qsum += xq[k];
+    }
+    rg[g].d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    rg[g].xs = sum;
+    rg[g].cxs = float(c) * sum;
+    rg[g].cq = c * qsum;
+  }
+}
+
+} // namespace
+
+const char* qgemm_isa() {
+  return g_kernel.get().name;
+}
+
+std::string set_qgemm_isa(const std::string& name) {
+  return g_kernel.set(name);
+}
+
+void qgemm(
+    const float* x,
+    int64_t M,
+    int K,
+    const uint8_t* wq,
+    const void* sb,
+    ScaleType st,
+    int N,
+    int group_size,
+    int bits,
+    float* y,
+    int threads) {
+  const int P = (N + kQPanel - 1) / kQPanel;
+  const int G = K / group_size;
+  const int64_t w_bytes = int64_t(P) * kQPanel * K / (q_nibbles(bits) ? 2 : 1);
+  const int parts =
+      (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
+  const PanelsFn fn =
+      g_kernel.get().fn->fn[q_nibbles(bits) ? 1 : 0][int(st)];
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<qgemm_detail::RowGroup> rg;
+  for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, M - b0);
+    xq.resize(size_t(rows) * K);
+    rg.resize(size_t(rows) * G);
+    for (int64_t i = 0; i < rows; ++i) {
+      quantize_row(
+          x + (b0 + i) * K, K, group_size, bits, xq.data() + i * K,
+          rg.data() + i * G);
+    }
+    const Call c{
+        xq.data(), rg.data(), rows, K, G, group_size, wq, sb, N, y + b0 * N};
+    parallel_panels(P, parts, [&](int p0, int p1) { fn(c, p0, p1); });
+  }
+}
+
+} // namespace mtplx::cpu

@@ -1,0 +1,187 @@
+// The quantized packed GEMM's loops (see qgemm.h) over an instruction-set
+// traits type T:
+//   Acc (16 int32 lanes), W (64 bytes), F (16 float lanes);
+//   zero(), load_w(p), lo(w) / hi(w) (a nibble block's two halves);
+//   dot<Small>(acc, w, x4): acc[l] += sum_t w[4 l + t] * x4[t] (unsigned
+//     bytes x signed bytes, exact; Small: every w < 16);
+//   scales<S>(p): 16 stored scales as floats;
+//   fold(y, acc, s, b, rg): t = fma(float(acc - rg.cq), rg.d, rg.cxs);
+//     y = fma(b, rg.xs, fma(s, t, y)) (qgemm.h).
+// Included by one file per instruction set, compiled with that set enabled.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/packed_gemm.h"
+#include "cpu/prefetch_stream.h"
+#include "cpu/qgemm.h"
+
+namespace mtplx::cpu::qgemm_detail {
+
+using Prefetch = PrefetchStream<2>;
+constexpr int64_t kPrefetchAhead = 64 * 1024;
+
+template <ScaleType S>
+struct ScaleBits {
+  using type = uint16_t;
+};
+template <>
+struct ScaleBits<ScaleType::f32> {
+  using type = float;
+};
+
+inline int32_t x4_at(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Rows [i0, i0 + R) x the panel's 4 blocks over group g: the integer sums
+// of the group, folded into out (R rows of stride ldo, 64 columns).
+template <class T, bool Nib, ScaleType S, int R>
+inline void tile(
+    const Call& c,
+    int64_t i0,
+    const uint8_t* w,
+    const typename ScaleBits<S>::type* sb,
+    int g,
+    float* out,
+    int64_t ldo,
+    Prefetch& pf) {
+  using Acc = typename T::Acc;
+  constexpr int kStepK = Nib ? 8 : 4;
+  const int steps = c.group_size / kStepK;
+  Acc acc[R][4];
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      acc[i][j] = T::zero();
+    }
+  }
+  const int8_t* x = c.xq + i0 * c.K + int64_t(g) * c.group_size;
+  for (int s = 0; s < steps; ++s) {
+    pf.step();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const auto wv = T::load_w(w + j * 64);
+      if constexpr (Nib) {
+        const auto lo = T::lo(wv), hi = T::hi(wv);
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          acc[i][j] = T::template dot<true>(acc[i][j], lo, x4_at(x + i * c.K));
+          acc[i][j] =
+              T::template dot<true>(acc[i][j], hi, x4_at(x + i * c.K + 4));
+        }
+      } else {
+#pragma GCC unroll 16
+        for (int i = 0; i < R; ++i) {
+          acc[i][j] = T::template dot<false>(acc[i][j], wv, x4_at(x + i * c.K));
+        }
+      }
+    }
+    x += kStepK;
+    w += 4 * 64;
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i) {
+    const RowGroup& rg = c.rg[(i0 + i) * c.G + g];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      T::fold(
+          out + i * ldo + j * 16,
+          acc[i][j],
+          T::template scales<S>(sb + j * 16),
+          T::template scales<S>(sb + kQPanel + j * 16),
+          rg);
+    }
+  }
+}
+
+template <class T, bool Nib, ScaleType S, int R = kRows>
+inline void tile_of(
+    int r,
+    const Call& c,
+    int64_t i0,
+    const uint8_t* w,
+    const typename ScaleBits<S>::type* sb,
+    int g,
+    float* out,
+    int64_t ldo,
+    Prefetch& pf) {
+  if constexpr (R >= 1) {
+    if (r == R) {
+      tile<T, Nib, S, R>(c, i0, w, sb, g, out, ldo, pf);
+    } else {
+      tile_of<T, Nib, S, R - 1>(r, c, i0, w, sb, g, out, ldo, pf);
+    }
+  }
+}
+
+// Panels [p0, p1) for every row (M <= 64): panel by panel, group by group,
+// each group's block against every row tile. The partial last panel is
+// computed into a scratch tile.
+template <class T, bool Nib, ScaleType S>
+inline void panels(const Call& c, int p0, int p1) {
+  using SB = typename ScaleBits<S>::type;
+  const packed_detail::RowTiles rt(c.M, kRows);
+  if (rt.count == 0) {
+    return;
+  }
+  const int64_t block = int64_t(c.group_size) / (Nib ? 8 : 4) * 4 * 64;
+  const auto* wq = c.wq;
+  const auto* sb = static_cast<const SB*>(c.sb);
+  const char* stream_end =
+      reinterpret_cast<const char*>(wq + int64_t(p1) * c.G * block);
+  alignas(64) float scratch[64 * kQPanel];
+  Prefetch pf;
+  for (int p = p0; p < p1; ++p) {
+    const int n0 = p * kQPanel;
+    const bool full = n0 + kQPanel <= c.N;
+    float* dst = full ? c.y + n0 : scratch;
+    const int64_t ld = full ? c.N : kQPanel;
+    for (int64_t i = 0; i < c.M; ++i) {
+      std::memset(dst + i * ld, 0, sizeof(float) * kQPanel);
+    }
+    for (int g = 0; g < c.G; ++g) {
+      const int64_t at = int64_t(p) * c.G + g;
+      const uint8_t* w = wq + at * block;
+      const char* here = reinterpret_cast<const char*>(w);
+      const int64_t left = stream_end - here;
+      pf.aim(
+          here + std::min(kPrefetchAhead, left),
+          here + std::min(kPrefetchAhead + block, left),
+          rt.count * (block / 256));
+      for (int64_t t = 0; t < rt.count; ++t) {
+        const int64_t i0 = rt.start(t);
+        tile_of<T, Nib, S>(
+            int(rt.size(t)), c, i0, w, sb + at * 2 * kQPanel, g,
+            dst + i0 * ld, ld, pf);
+      }
+    }
+    if (!full) {
+      for (int64_t i = 0; i < c.M; ++i) {
+        std::memcpy(
+            c.y + i * c.N + n0, scratch + i * kQPanel,
+            sizeof(float) * (c.N - n0));
+      }
+    }
+  }
+}
+
+// The six instantiations of one instruction set's panels.
+#define MTPLX_QGEMM_INSTANTIATE(fn, T)                                   \
+  template <bool Nib, ScaleType S>                                      \
+  void fn(const Call& c, int p0, int p1) {                              \
+    panels<T, Nib, S>(c, p0, p1);                                       \
+  }                                                                     \
+  template void fn<true, ScaleType::f32>(const Call&, int, int);        \
+  template void fn<true, ScaleType::f16>(const Call&, int, int);        \
+  template void fn<true, ScaleType::bf16>(const Call&, int, int);       \
+  template void fn<false, ScaleType::f32>(const Call&, int, int);       \
+  template void fn<false, ScaleType::f16>(const Call&, int, int);       \
+  template void fn<false, ScaleType::bf16>(const Call&, int, int);
+
+} // namespace mtplx::cpu::qgemm_detail

@@ -1,0 +1,144 @@
+"""Quantized layers repacked for the CPU's integer dot products, and the swap in and out of a model.
+
+`pack_cpu_quantized` replaces every affine-quantized `nn.QuantizedLinear`
+and `nn.QuantizedEmbedding` below a module (trunk, LM head tied or not, MTP
+head) by `PackedQuantizedLinear` / `PackedQuantizedEmbedding`, which hold the
+weight repacked once (`mtplx_ext.ops.qlinear`, in place of mlx's copy: no
+extra memory) and multiply on the CPU with the extension's quantized GEMM.
+`unpack_cpu_quantized` restores mlx's layers bit for bit (saving writes
+mlx's format). On a GPU the packed layers fall back to mlx's own kernels over
+the weight unpacked per call: pack only models that decode on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtplx_ext import _ext
+from mtplx_ext.models.module_swap import swap_modules
+from mtplx_ext.ops import qlinear
+
+
+class _Packed(nn.Module):
+    """The repacked weight (`wq`, `sb`) of an affine-quantized [output_dims, input_dims] matrix."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.wq, self.sb = qlinear.pack_quantized_weight(
+            layer["weight"], layer["scales"], layer["biases"], layer.group_size, layer.bits
+        )
+        object.__setattr__(self, "output_dims", int(layer["weight"].shape[0]))
+        object.__setattr__(self, "input_dims", int(layer["weight"].shape[1]) * 32 // layer.bits)
+        object.__setattr__(self, "group_size", int(layer.group_size))
+        object.__setattr__(self, "bits", int(layer.bits))
+
+    def _product(self, x: mx.array) -> mx.array:
+        if mx.default_device() == mx.cpu and mx.issubdtype(x.dtype, mx.floating):
+            # The extension directly (it checks every argument): once per layer per step.
+            return _ext.packed_quantized_linear(x, self.wq, self.sb, self.output_dims, self.group_size, self.bits)
+        w, s, b = self.mlx_weights()
+        return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=self.group_size, bits=self.bits)
+
+    def mlx_weights(self) -> tuple[mx.array, mx.array, mx.array]:
+        """(weight, scales, biases) in mlx's format, bit for bit those packed."""
+        return qlinear.unpack_quantized_weight(self.wq, self.sb, self.output_dims, self.group_size, self.bits)
+
+    def _restore(self, layer: nn.Module) -> nn.Module:
+        layer.weight, layer.scales, layer.biases = self.mlx_weights()
+        mx.eval(layer.parameters())
+        layer.freeze()
+        return layer
+
+    def _extra_repr(self) -> str:
+        return (
+            f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
+            f"group_size={self.group_size}, bits={self.bits}, packed"
+        )
+
+
+class PackedQuantizedLinear(_Packed):
+    """An `nn.QuantizedLinear` (affine) whose weight is repacked for the CPU's quantized GEMM."""
+
+    def __init__(self, layer: nn.QuantizedLinear):
+        super().__init__(layer)
+        if "bias" in layer:
+            self.bias = layer["bias"]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self._product(x)
+        return y + self.bias if "bias" in self else y
+
+    def to_quantized(self) -> nn.QuantizedLinear:
+        """mlx's layer with this weight, bit for bit."""
+        lin = nn.QuantizedLinear(self.input_dims, self.output_dims, "bias" in self, self.group_size, self.bits)
+        if "bias" in self:
+            lin.bias = self.bias
+        return self._restore(lin)
+
+
+class PackedQuantizedEmbedding(_Packed):
+    """An `nn.QuantizedEmbedding` (affine) repacked: lookups gather and dequantize rows, `as_linear` is the GEMM.
+
+    A lookup rebuilds the looked-up rows in mlx's format and dequantizes them
+    with `mx.dequantize`, so embeddings are bit for bit mlx-lm's.
+    """
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        w, s, b = qlinear.unpack_quantized_rows(self.wq, self.sb, ids, self.group_size, self.bits)
+        return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return self._product(x)
+
+    def to_quantized(self) -> nn.QuantizedEmbedding:
+        """mlx's layer with this weight, bit for bit."""
+        emb = nn.QuantizedEmbedding(self.output_dims, self.input_dims, self.group_size, self.bits)
+        return self._restore(emb)
+
+
+def _packable(value: Any) -> bool:
+    return (
+        type(value) in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+        and getattr(value, "mode", "affine") == "affine"
+        and "biases" in value
+        and value.bits in qlinear.BITS
+        and value.group_size in qlinear.GROUP_SIZES
+        and value["scales"].dtype in qlinear.SCALE_DTYPES
+    )
+
+
+def pack_cpu_quantized(model: nn.Module) -> int:
+    """Replaces, in place, every affine `nn.QuantizedLinear` / `nn.QuantizedEmbedding` below `model` by its packed form.
+
+    Exact types only, mode "affine" with biases, bits 2-6 / 8, group size
+    32 / 64 / 128; other quantizations (mxfp4, nvfp4, ...) stay mlx's.
+    Outputs match mlx's quantized matmul up to the int8 rounding of the
+    activations (`mtplx_ext.ops.qlinear`); a row's result never depends on
+    the other rows. Returns how many modules were replaced.
+    """
+
+    def replacement(value: Any) -> nn.Module | None:
+        if not _packable(value):
+            return None
+        new = (PackedQuantizedEmbedding if type(value) is nn.QuantizedEmbedding else PackedQuantizedLinear)(value)
+        mx.eval(new.parameters())  # mlx's copy is no longer referenced
+        new.freeze()
+        return new
+
+    return swap_modules(model, replacement)
+
+
+def unpack_cpu_quantized(model: nn.Module) -> int:
+    """The inverse of `pack_cpu_quantized`: mlx's quantized layers back, bit for bit."""
+    return swap_modules(model, lambda v: v.to_quantized() if isinstance(v, _Packed) else None)
+
+
+__all__ = [
+    "PackedQuantizedEmbedding",
+    "PackedQuantizedLinear",
+    "pack_cpu_quantized",
+    "unpack_cpu_quantized",
+]
