@@ -76,6 +76,23 @@ def test_mtp_and_plain_sampling_give_the_models_first_two_token_distribution(rng
     assert np.array_equal(mtp_pairs[:, 0], plain_pairs[:, 0])
 
 
+def test_sampling_at_4_bits_on_the_quantized_gemm_gives_the_models_distribution(rng):
+    """The packed 4-bit model (the CPU's quantized GEMM, as `load` packs it) samples its own distribution."""
+    from mtplx_ext.models.packed_quantized import PackedQuantizedLinear
+
+    vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
+    rt = mtplx_ext.init_random(
+        "qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab, fuse_cpu_ops=True,
+        quantize={"bits": 4, "group_size": 32},
+    )
+    assert any(isinstance(m, PackedQuantizedLinear) for m in rt.modules())
+    prompt = rng.integers(0, vocab, size=int(rng.integers(2, 7))).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
+    pairs, acc = first_two(rt, prompt, cfg, seeds, mtp=True)
+    p = pair_pvalue(rt, prompt, cfg, pairs)
+    assert p >= ALPHA_EXACT, f"4-bit MTP sampling off the model's distribution: p = {p:.2e} (acceptance {acc:.3f})"
+
+
 def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatch):
     import mtplx_ext.engine.policies as policies
 
