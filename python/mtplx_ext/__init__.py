@@ -34,7 +34,9 @@ from mtplx_ext.sampling import SamplerConfig  # noqa: E402
 from mtplx_ext.ops import (  # noqa: E402
     gated_delta_capture,
     pack_linear_weight,
+    pack_quantized_weight,
     packed_linear,
+    packed_quantized_linear,
     restore_state,
     rms_norm,
     rope,
@@ -58,6 +60,12 @@ from mtplx_ext.models.fused_modules import (  # noqa: E402
     fuse_cpu_ops,
 )
 from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, unpack_cpu_linears  # noqa: E402
+from mtplx_ext.models.packed_quantized import (  # noqa: E402
+    PackedQuantizedEmbedding,
+    PackedQuantizedLinear,
+    pack_cpu_quantized,
+    unpack_cpu_quantized,
+)
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
 from mtplx_ext.engine import (  # noqa: E402
@@ -82,6 +90,8 @@ __all__ = [
     "FusedZeroCentredRMSNorm",
     "MTPRuntime",
     "PackedLinear",
+    "PackedQuantizedEmbedding",
+    "PackedQuantizedLinear",
     "RaggedKVCache",
     "Request",
     "SamplerConfig",
@@ -93,8 +103,11 @@ __all__ = [
     "init_random",
     "load",
     "pack_cpu_linears",
+    "pack_cpu_quantized",
+    "pack_quantized_weight",
     "pack_linear_weight",
     "packed_linear",
+    "packed_quantized_linear",
     "restore_state",
     "rms_norm",
     "rope",
@@ -105,6 +118,7 @@ __all__ = [
     "snapshot_state",
     "swiglu",
     "unpack_cpu_linears",
+    "unpack_cpu_quantized",
     "unpack_linear_weight",
     "verify_greedy",
     "verify_greedy_chain",

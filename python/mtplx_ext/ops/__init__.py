@@ -7,6 +7,7 @@
   and the routing of mlx-lm's GatedDeltaNet through it;
 * `fused`: single-node CPU RMSNorm, RoPE, attention and SwiGLU;
 * `linear`: Linear weights packed once and the CPU decode GEMM over them;
+* `qlinear`: affine-quantized weights repacked once and the CPU's quantized GEMM (int8 dot products);
 * `threads`: the CPU kernels' thread count.
 
 Every wrapper raises TypeError / ValueError naming the bad argument before a
@@ -15,6 +16,7 @@ kernel touches memory.
 
 from mtplx_ext.ops.fused import rms_norm, rope, scaled_dot_product_attention, swiglu
 from mtplx_ext.ops.linear import pack_linear_weight, packed_linear, unpack_linear_weight
+from mtplx_ext.ops.qlinear import pack_quantized_weight, packed_quantized_linear, unpack_quantized_weight
 from mtplx_ext.ops.gated_delta import gated_delta_capture, route_gated_delta
 from mtplx_ext.ops.state_copy import restore_state, snapshot_state
 from mtplx_ext.ops.greedy_verify import verify_greedy, verify_greedy_chain
@@ -23,7 +25,9 @@ from mtplx_ext.ops.sampled_verify import row_uniforms, sample_tokens, sampler_pa
 __all__ = [
     "gated_delta_capture",
     "pack_linear_weight",
+    "pack_quantized_weight",
     "packed_linear",
+    "packed_quantized_linear",
     "restore_state",
     "rms_norm",
     "rope",
@@ -35,6 +39,7 @@ __all__ = [
     "snapshot_state",
     "swiglu",
     "unpack_linear_weight",
+    "unpack_quantized_weight",
     "verify_greedy",
     "verify_greedy_chain",
     "verify_sampled",
