@@ -218,7 +218,8 @@ def test_block_fp8_deepseek_checkpoint_converts_to_its_dequantized_weights(tmp_p
 
 
 def _quantized_layers(module) -> dict[str, int]:
-    return {n: m.bits for n, m in module.named_modules() if hasattr(m, "bits") and hasattr(m, "scales")}
+    # mlx's quantized layers, and the packed ones `load` makes of them on the CPU (`sb`: scales and biases)
+    return {n: m.bits for n, m in module.named_modules() if hasattr(m, "bits") and ("scales" in m or "sb" in m)}
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -286,6 +287,15 @@ def test_mtp_greedy_decoding_of_a_quantized_folder_is_lossless_against_mlx_lm(tm
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, rt.vocab_size, int(n)).tolist() for n in (3, 9, 6)]
     n = 20
+    # On the CPU `load` packs the quantized layers (int8 activations): MTP must commit exactly
+    # the packed model's own plain tokens.
+    assert any(isinstance(m, mtplx_ext.PackedQuantizedLinear) for m in rt.modules())
+    plain = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, use_mtp_draft=False)
+    res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n)
+    assert res.drafted > 0
+    assert [s.tokens for s in res.streams] == [s.tokens for s in plain.streams]
+    # With mlx's quantized layers (as a GPU runs them) the same folder decodes as mlx-lm does.
+    mtplx_ext.unpack_cpu_quantized(rt)
     res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n)
     assert res.drafted > 0
     assert_lossless(res.streams, [reference_greedy(model, p, n) for p in prompts])

@@ -56,7 +56,9 @@ def test_greedy_mtp_equals_mlx_lm_decoding_of_the_target_alone(pair, refs, depth
     )
     for i, (s, (_, ref, gaps)) in enumerate(zip(r.streams, rows)):
         check_stream(i, s, ref, gaps, set(), N_NEW)
-    assert r.cycles < N_NEW * batch and r.forwards < r.cycles * 2  # one verification per cycle
+    # A cycle commits at least one token per live row, so the batch ends within N_NEW cycles (that
+    # drafts get accepted is the next test's: a random pair's single stream may accept none here).
+    assert r.cycles <= N_NEW and r.forwards < r.cycles * 2  # one verification per cycle
 
 
 def test_the_pair_accepts_some_drafts_and_rejects_others(pair, refs):
