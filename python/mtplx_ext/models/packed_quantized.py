@@ -6,7 +6,10 @@ head) by `PackedQuantizedLinear` / `PackedQuantizedEmbedding`, which hold the
 weight repacked once (`mtplx_ext.ops.qlinear`, in place of mlx's copy: no
 extra memory) and multiply on the CPU with the extension's quantized GEMM.
 `unpack_cpu_quantized` restores mlx's layers bit for bit (saving writes
-mlx's format). On a GPU the packed layers fall back to mlx's own kernels over
+mlx's format). Sibling projections of one input (q / k / v, gate / up) are
+then fused into one product (`SharedProduct`): one kernel call, one
+quantization of the activations and one thread split instead of three,
+their weights one concatenated array that each layer views its panels of. On a GPU the packed layers fall back to mlx's own kernels over
 the weight unpacked per call: pack only models that decode on the CPU.
 """
 
@@ -37,6 +40,9 @@ class _Packed(nn.Module):
 
     def _product(self, x: mx.array) -> mx.array:
         if mx.default_device() == mx.cpu and mx.issubdtype(x.dtype, mx.floating):
+            shared = self.__dict__.get("_shared")
+            if shared is not None:
+                return shared.columns(x, self)
             # The extension directly (it checks every argument): once per layer per step.
             return _ext.packed_quantized_linear(x, self.wq, self.sb, self.output_dims, self.group_size, self.bits)
         w, s, b = self.mlx_weights()
@@ -99,6 +105,77 @@ class PackedQuantizedEmbedding(_Packed):
         return self._restore(emb)
 
 
+class SharedProduct:
+    """One quantized product for sibling layers of one input (q / k / v, gate / up).
+
+    The members' packed weights are concatenated panel-wise (every member
+    but the last has a whole number of 64-column panels) and each member
+    keeps a view of its own panels, so memory is unchanged and each member
+    still multiplies alone on a GPU or when unpacked. On the CPU the first
+    member called with an input computes the whole product; the others,
+    called with the same array (as mlx-lm's attention and MLP do), take
+    their columns of it. The product is released once every member has had
+    its columns, and recomputed for any other input, so a member called
+    alone or out of order still gets its own exact columns (the kernel's
+    columns do not depend on each other).
+    """
+
+    def __init__(self, members: list[_Packed]):
+        first = members[0]
+        self.wq = mx.concatenate([m.wq for m in members])
+        self.sb = mx.concatenate([m.sb for m in members])
+        mx.eval(self.wq, self.sb)
+        self.n = sum(m.output_dims for m in members)
+        self.group_size, self.bits = first.group_size, first.bits
+        self.spans: dict[int, tuple[int, int]] = {}
+        p0 = c0 = 0
+        for m in members:
+            p = m.wq.shape[0]
+            m.wq, m.sb = self.wq[p0 : p0 + p], self.sb[p0 : p0 + p]  # views of the shared panels
+            self.spans[id(m)] = (c0, c0 + m.output_dims)
+            object.__setattr__(m, "_shared", self)
+            p0, c0 = p0 + p, c0 + p * qlinear.PANEL
+        mx.eval([(m.wq, m.sb) for m in members])
+        self._x: mx.array | None = None
+        self._y: mx.array | None = None
+        self._served: set[int] = set()
+
+    def columns(self, x: mx.array, member: _Packed) -> mx.array:
+        if self._x is not x or id(member) in self._served:
+            self._x, self._served = x, set()
+            self._y = _ext.packed_quantized_linear(x, self.wq, self.sb, self.n, self.group_size, self.bits)
+        c0, c1 = self.spans[id(member)]
+        out = self._y[..., c0:c1]
+        self._served.add(id(member))
+        if len(self._served) == len(self.spans):
+            self._x = self._y = None
+        return out
+
+
+#: Sibling layers that read one input, fused into one product.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_siblings(model: nn.Module) -> int:
+    """Shares one product between the packed sibling layers of every module (`FUSED_GROUPS`).
+
+    Members must agree on input size, group size, bits and scale dtype, and
+    every member but the last must fill whole panels. Returns how many
+    groups were fused.
+    """
+    fused = 0
+    for _, parent in model.named_modules():
+        for names in FUSED_GROUPS:
+            ms = [parent.get(n) for n in names if n in parent]
+            if len(ms) < 2 or not all(type(m) is PackedQuantizedLinear and "_shared" not in m.__dict__ for m in ms):
+                continue
+            key = {(m.input_dims, m.group_size, m.bits, m.sb.dtype) for m in ms}
+            if len(key) == 1 and all(m.output_dims % qlinear.PANEL == 0 for m in ms[:-1]):
+                SharedProduct(ms)
+                fused += 1
+    return fused
+
+
 def _packable(value: Any) -> bool:
     return (
         type(value) in (nn.QuantizedLinear, nn.QuantizedEmbedding)
@@ -128,7 +205,9 @@ def pack_cpu_quantized(model: nn.Module) -> int:
         new.freeze()
         return new
 
-    return swap_modules(model, replacement)
+    n = swap_modules(model, replacement)
+    fuse_siblings(model)
+    return n
 
 
 def unpack_cpu_quantized(model: nn.Module) -> int:
@@ -139,6 +218,8 @@ def unpack_cpu_quantized(model: nn.Module) -> int:
 __all__ = [
     "PackedQuantizedEmbedding",
     "PackedQuantizedLinear",
+    "SharedProduct",
+    "fuse_siblings",
     "pack_cpu_quantized",
     "unpack_cpu_quantized",
 ]
