@@ -16,6 +16,7 @@ import pytest
 
 from mtplx_ext.ops import linear as L
 from mtplx_ext.ops.threads import set_cpu_threads
+from _isa import ISAS, isa_fixture, runnable
 from _poison import poison_allocator
 
 U = 2.0**-24
@@ -28,26 +29,10 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-ISAS = ("avx512", "avx2", "generic")
 
 
-def runnable(isa: str) -> bool:
-    try:
-        L.set_packed_linear_isa(isa)
-    except ValueError:
-        return False
-    L.set_packed_linear_isa("")
-    return True
+isa = isa_fixture(L.set_packed_linear_isa, "kernel")
 
-
-@pytest.fixture(params=["", *ISAS])
-def isa(request):
-    """Each kernel this CPU can run ("": its own pick), restored afterwards."""
-    if request.param and not runnable(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} kernel")
-    L.set_packed_linear_isa(request.param)
-    yield request.param
-    L.set_packed_linear_isa("")
 
 
 def reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,7 +183,7 @@ def test_every_kernel_gives_the_same_bits(rng) -> None:
     generic ones, the 64-row blocks), K across the 256-k chunks, N with a
     partial last panel, on one thread and on two.
     """
-    isas = [i for i in ISAS if runnable(i)]
+    isas = [i for i in ISAS if runnable(L.set_packed_linear_isa, i)]
     assert "generic" in isas
     K, N = int(rng.integers(257, 700)), int(rng.integers(200, 400))
     w = mx.array(rng.standard_normal((N, K)).astype(np.float32))

@@ -20,9 +20,9 @@ import pytest
 
 from mtplx_ext.ops import qlinear as Q
 from mtplx_ext.ops.threads import set_cpu_threads
+from _isa import ISAS, isa_fixture, runnable
 from _poison import poison_allocator
 
-ISAS = ("avx512", "avx2", "generic")
 SCALES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -33,23 +33,8 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-def runnable(isa: str) -> bool:
-    try:
-        Q.set_packed_quantized_linear_isa(isa)
-    except ValueError:
-        return False
-    Q.set_packed_quantized_linear_isa("")
-    return True
+isa = isa_fixture(Q.set_packed_quantized_linear_isa, "quantized kernel")
 
-
-@pytest.fixture(params=["", *ISAS])
-def isa(request):
-    """Each kernel this CPU can run ("": its own pick), restored afterwards."""
-    if request.param and not runnable(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} quantized kernel")
-    Q.set_packed_quantized_linear_isa(request.param)
-    yield request.param
-    Q.set_packed_quantized_linear_isa("")
 
 
 class Weight:
@@ -127,7 +112,7 @@ def test_half_activations_give_mlx_dtype_and_the_float_rows_result(rng, dtype) -
 
 def test_every_kernel_gives_the_same_bits_on_one_and_two_threads(rng) -> None:
     """Exact integer sums and one fixed fold order: every instruction set and thread split agrees bit for bit."""
-    runs = [i for i in ISAS if runnable(i)]
+    runs = [i for i in ISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
     for bits in (3, 4, 8):
         W = Weight(rng, 1100, 512, 64, bits)  # over 1 MiB at 8 bits: split over threads
         x = rng.standard_normal((70, 512)).astype(np.float32)
