@@ -2,8 +2,8 @@
 
 For each model folder (`--models`, e.g. the grown float32 model and its
 `mtplx-ext convert -q` conversions) in one process, interleaved per repeat:
-  * prefill: seconds to prefill one held-out prompt of `--prompt-tokens`
-    tokens (the trunk over the prompt, then the first token read);
+  * prefill: seconds the decode loop takes to prefill one held-out prompt
+    of `--prompt-tokens` tokens (`BatchedDecodeResult.prefill_s`);
   * decoding: greedy tokens/s of plain decoding and of MTP at each depth in
     `--depths` (and "auto"), at each batch size in `--batch`, on held-out
     prompts (`benchmark.heldout_prompts`); every MTP decode is checked to
@@ -15,7 +15,8 @@ Prints medians and ratios (MTP / plain of the same model, quantized / float32
 prefill) and writes `--json`.
 
 Run: python bench/scripts/quantized_cpu.py --models /tmp/m/grown,/tmp/m/grown-q8,/tmp/m/grown-q4
-     [--batch 1,8] [--depths 1,2,3,4] [--tokens 64] [--prompt-tokens 128] [--repeats 3] [--json OUT]
+     [--batch 1,8] [--depths 1,2,3,4] [--tokens 64] [--prompt-tokens 128] [--repeats 3] [--prefill-only]
+     [--json OUT]
 """
 
 from __future__ import annotations
@@ -38,13 +39,8 @@ from mtplx_ext.models.packed_quantized import PackedQuantizedLinear
 
 
 def prefill_s(rt, prompt: list[int]) -> float:
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(rt.trunk)
-    t0 = time.perf_counter()
-    logits = rt.trunk(mx.array([prompt]), cache=cache)
-    mx.eval(mx.argmax(logits[:, -1], axis=-1))
-    return time.perf_counter() - t0
+    """The decode loop's prefill of one prompt (its own timer: the trunk over the prompt, fused attention)."""
+    return mtplx_ext.generate_greedy_batched(rt, [prompt], max_new_tokens=1, use_mtp_draft=False).prefill_s
 
 
 def decode(rt, prompts, tokens: int, depth) -> tuple[float, list[list[int]]]:
@@ -74,10 +70,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-only", action="store_true", help="time the prefill and the layers only")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     folders = a.models.split(",")
-    batches = [int(b) for b in a.batch.split(",")]
+    batches = [] if a.prefill_only else [int(b) for b in a.batch.split(",")]
     depths = [0] + [d if d == "auto" else int(d) for d in a.depths.split(",")] + ["auto"]
     depths = list(dict.fromkeys(depths))
     rts = {f: mtplx_ext.load(f) for f in folders}
