@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -174,7 +175,9 @@ def llama_cpp(bins: Path, gguf: Path, threads: int, tokens: int) -> tuple[dict[s
                          "-n", str(tokens), "-r", "1", "-o", "json"]))[0]
     out = run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-npp", "16",
                "-ntg", str(tokens), "-npl", "1,8", "-c", str(max(2048, 8 * (16 + tokens))), "--output-format", "jsonl"])
-    bb = {r["pl"]: r["speed_tg"] for r in map(json.loads, (ln for ln in out.splitlines() if ln.startswith("{")))}
+    # Its JSON rows, wherever they sit in the output (a log line can share a line with one).
+    rows = (json.loads(m) for m in re.findall(r"\{[^{}]*\}", out))
+    bb = {r["pl"]: r["speed_tg"] for r in rows if "pl" in r and "speed_tg" in r}
     if not {1, 8} <= set(bb):
         raise Skip(f"llama-batched-bench printed no rows for 1 and 8 sequences: {out[-300:]!r}")
     return lb, bb
