@@ -27,18 +27,24 @@ class KernelChoice {
  public:
   explicit KernelChoice(const KernelVariant<Fn> (&table)[N]) : table_(table) {}
 
-  // The override if any, else the first variant this CPU runs.
+  // The override if any, else the first variant this CPU runs (looked up
+  // once).
   const KernelVariant<Fn>& get() const {
-    const KernelVariant<Fn>* o = override_.load(std::memory_order_acquire);
-    if (o) {
+    if (const auto* o = override_.load(std::memory_order_acquire)) {
       return *o;
     }
-    for (const auto& v : table_) {
-      if (v.runs()) {
-        return v;
+    const auto* p = pick_.load(std::memory_order_acquire);
+    if (p == nullptr) {
+      p = &table_[N - 1];
+      for (const auto& v : table_) {
+        if (v.runs()) {
+          p = &v;
+          break;
+        }
       }
+      pick_.store(p, std::memory_order_release);
     }
-    return table_[N - 1];
+    return *p;
   }
 
   // Runs `name` from now on ("" returns to the CPU's pick); returns the
@@ -69,6 +75,7 @@ class KernelChoice {
  private:
   const KernelVariant<Fn> (&table_)[N];
   std::atomic<const KernelVariant<Fn>*> override_{nullptr};
+  mutable std::atomic<const KernelVariant<Fn>*> pick_{nullptr};
 };
 
 inline bool runs_everywhere() {

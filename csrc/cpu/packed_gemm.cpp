@@ -13,9 +13,17 @@ namespace mtplx::cpu {
 namespace {
 
 using packed_detail::Call;
-using PanelsFn = void (*)(const Call&, int, int);
 
+// One variant's kernel and its rows per full tile (the layout of Call::xt).
+struct Kernel {
+  void (*fn)(const Call&, int, int);
+  int rows;
+};
+
+const Kernel kGeneric{packed_detail::panels_generic, packed_detail::kRowsGeneric};
 #if defined(__x86_64__) && defined(__GNUC__)
+const Kernel kAvx512{packed_detail::panels_avx512, packed_detail::kRowsAvx512};
+const Kernel kAvx2{packed_detail::panels_avx2, packed_detail::kRowsAvx2};
 bool runs_avx512() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
 }
@@ -23,24 +31,16 @@ bool runs_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 // Every kernel this build has, fastest first.
-const KernelVariant<PanelsFn> kVariants[] = {
-    {packed_detail::panels_avx512, "avx512", runs_avx512},
-    {packed_detail::panels_avx2, "avx2", runs_avx2},
-    {packed_detail::panels_generic, "generic", runs_everywhere}};
+const KernelVariant<const Kernel*> kVariants[] = {
+    {&kAvx512, "avx512", runs_avx512},
+    {&kAvx2, "avx2", runs_avx2},
+    {&kGeneric, "generic", runs_everywhere}};
 #else
-const KernelVariant<PanelsFn> kVariants[] = {
-    {packed_detail::panels_generic, "generic", runs_everywhere}};
+const KernelVariant<const Kernel*> kVariants[] = {
+    {&kGeneric, "generic", runs_everywhere}};
 #endif
 
 KernelChoice g_kernel(kVariants);
-
-// Rows per full tile of a variant (the layout of Call::xt).
-int rows_of(const KernelVariant<PanelsFn>& v) {
-  const std::string name = v.name;
-  return name == "avx512" ? packed_detail::kRowsAvx512
-      : name == "avx2"    ? packed_detail::kRowsAvx2
-                          : packed_detail::kRowsGeneric;
-}
 
 // Rows per block of x: the transposed block (K x 64 floats) stays in L2
 // beside the panel being computed, and every panel is streamed from memory
@@ -79,15 +79,14 @@ void packed_gemm(
   const int parts =
       (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
   thread_local std::vector<float> xt;
-  const auto& kernel = g_kernel.get();
-  const PanelsFn fn = kernel.fn;
-  const int tile_rows = rows_of(kernel);
+  const Kernel& kernel = *g_kernel.get().fn;
+  const auto fn = kernel.fn;
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, M - b0);
     xt.resize(size_t(rows) * K);
     // Tile by tile (packed_detail::Call), k outer: the tile's rows' current
     // cache lines stay in L1, writes are in order.
-    const packed_detail::RowTiles tiles(rows, tile_rows);
+    const packed_detail::RowTiles tiles(rows, kernel.rows);
     float* out = xt.data();
     for (int64_t t = 0; t < tiles.count; ++t) {
       const float* xb = x + (b0 + tiles.start(t)) * K;
