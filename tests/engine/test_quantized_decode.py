@@ -44,14 +44,18 @@ def test_greedy_mtp_equals_plain_decoding_at_the_same_bits(model_type: str, bits
     plain = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=False)
     check_counters(plain, False)
     want = [s.tokens for s in plain.streams]
-    head = ScriptedHead(rt, want, prompts, "mixed", rng)
-    for depth in (1, 2, 3, 4):
-        for runtime in (head, rt) if depth in (1, 4) else (head,):
-            r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, depth=depth)
-            assert [s.tokens for s in r.streams] == want, f"depth {depth}, {'scripted' if runtime is head else 'own'} head"
+    heads = {mode: ScriptedHead(rt, want, prompts, mode, rng) for mode in ("mixed", "oracle", "wrong")}
+    runs = {1: ("mixed", "oracle", "own"), 2: ("mixed", "wrong"), 3: ("mixed", "oracle"), 4: ("mixed", "wrong", "own")}
+    for depth, modes in runs.items():
+        for mode in modes:
+            r = generate_greedy_batched(heads.get(mode, rt), prompts, max_new_tokens=cap, depth=depth)
+            assert [s.tokens for s in r.streams] == want, f"depth {depth}, {mode} head"
             check_counters(r, True)
-            if runtime is head:
-                assert 0 < r.accepted < r.drafted  # drafts both accepted and rejected
+            # Every draft accepted, then every draft rejected: both commit paths ran, deterministically.
+            if mode == "oracle":
+                assert 0 < r.accepted == r.drafted
+            if mode == "wrong":
+                assert r.accepted == 0 < r.drafted
 
 
 @pytest.mark.parametrize("bits", [4, 8])
