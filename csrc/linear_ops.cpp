@@ -12,6 +12,17 @@ namespace mtplx {
 
 namespace {
 
+// n, the weight's rows, must fill the P panels of `panel` columns, the last
+// one at least partly.
+void check_n(int n, int64_t P, int panel) {
+  if (n <= (P - 1) * panel || n > P * panel) {
+    bad_arg(
+        "n must be in (" + std::to_string((P - 1) * panel) + ", " +
+        std::to_string(P * panel) + "] for " + std::to_string(P) +
+        " panels, got " + std::to_string(n));
+  }
+}
+
 void check_packed(const mx::array& w_packed, int n) {
   if (w_packed.dtype() != mx::float32) {
     bad_arg("w_packed must be float32");
@@ -22,13 +33,7 @@ void check_packed(const mx::array& w_packed, int n) {
         "w_packed must have shape [P, K, " + std::to_string(kPackedPanel) +
         "] with P, K >= 1, got " + shape_str(w_packed.shape()));
   }
-  const int64_t P = w_packed.shape(0);
-  if (n <= (P - 1) * kPackedPanel || n > P * kPackedPanel) {
-    bad_arg(
-        "n must be in (" + std::to_string((P - 1) * kPackedPanel) + ", " +
-        std::to_string(P * kPackedPanel) + "] for " + std::to_string(P) +
-        " panels, got " + std::to_string(n));
-  }
+  check_n(n, w_packed.shape(0), kPackedPanel);
 }
 
 } // namespace
@@ -142,12 +147,7 @@ mx::array packed_quantized_linear(
         ", 2, " + std::to_string(kQPanel) + "] to match wq, got " +
         shape_str(sb.shape()));
   }
-  if (n <= (P - 1) * kQPanel || n > P * kQPanel) {
-    bad_arg(
-        "n must be in (" + std::to_string((P - 1) * kQPanel) + ", " +
-        std::to_string(P * kQPanel) + "] for " + std::to_string(P) +
-        " panels, got " + std::to_string(n));
-  }
+  check_n(n, P, kQPanel);
   if (x.dtype() != mx::float32 && x.dtype() != mx::float16 &&
       x.dtype() != mx::bfloat16) {
     bad_arg("x must be float32, float16 or bfloat16");

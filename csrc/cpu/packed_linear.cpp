@@ -1,7 +1,7 @@
 // eval_cpu of PackedLinear and PackedQuantizedLinear: the packed GEMMs over
-// x's rows. An input that is
-// not row contiguous (rare: packed weights and most activations are) is
-// gathered into a dense copy first, here rather than by a Contiguous node in
+// x's rows. An input that is not float32 and row contiguous (rare: packed
+// weights and most activations are) is gathered into a dense float32 copy
+// first, here rather than by a Contiguous node in
 // the graph, which would cost a node on every decode-time Linear.
 #include <vector>
 
@@ -15,44 +15,42 @@ namespace mtplx {
 
 namespace {
 
-// a's floats in row-major order: its own buffer when it is row contiguous,
-// else a copy in `buf`.
-const float* dense(const mx::array& a, std::vector<float>& buf) {
-  if (a.flags().row_contiguous) {
-    return a.data<float>();
-  }
+// Rows [0, rows) of a (last axis D, any strides) widened to float32 in buf.
+template <class S>
+void gather(const mx::array& a, std::vector<float>& buf) {
   const int D = a.shape(-1);
   const int64_t rows = int64_t(a.size() / D);
   const cpu::RowWalker walk(a);
+  const auto* src = a.data<typename S::bits_t>();
   buf.resize(a.size());
   for (int64_t r = 0; r < rows; ++r) {
-    cpu::load_row<cpu::F32>(
-        a.data<float>() + walk.offset(r), walk.col_stride(), D,
-        buf.data() + r * D);
+    cpu::load_row<S>(src + walk.offset(r), walk.col_stride(), D, buf.data() + r * D);
+  }
+}
+
+// a's values (float32, float16 or bfloat16) as float32 rows in row-major
+// order: its own buffer when it is float32 and row contiguous, else a copy
+// in `buf`.
+const float* dense(const mx::array& a, std::vector<float>& buf) {
+  if (a.dtype() == mx::float16) {
+    gather<cpu::F16>(a, buf);
+  } else if (a.dtype() == mx::bfloat16) {
+    gather<cpu::BF16>(a, buf);
+  } else if (a.flags().row_contiguous) {
+    return a.data<float>();
+  } else {
+    gather<cpu::F32>(a, buf);
   }
   return buf.data();
 }
 
-// x's values as float32 rows (x [..., K] of any float dtype and strides):
-// its own buffer when it is float32 and row contiguous, else a copy.
-const float* dense_f32(const mx::array& a, std::vector<float>& buf) {
-  if (a.dtype() == mx::float32) {
-    return dense(a, buf);
+// y's float32 values rounded into a 16-bit output (as MLX's casts round).
+template <class S>
+void store(const std::vector<float>& y, mx::array& out) {
+  auto* o = out.data<uint16_t>();
+  for (size_t i = 0; i < y.size(); ++i) {
+    o[i] = S::store(y[i]);
   }
-  const int D = a.shape(-1);
-  const int64_t rows = int64_t(a.size() / D);
-  const cpu::RowWalker walk(a);
-  buf.resize(a.size());
-  for (int64_t r = 0; r < rows; ++r) {
-    const auto* src = a.data<uint16_t>() + walk.offset(r);
-    float* dst = buf.data() + r * D;
-    if (a.dtype() == mx::float16) {
-      cpu::load_row<cpu::F16>(src, walk.col_stride(), D, dst);
-    } else {
-      cpu::load_row<cpu::BF16>(src, walk.col_stride(), D, dst);
-    }
-  }
-  return buf.data();
 }
 
 cpu::ScaleType scale_type(mx::Dtype t) {
@@ -82,18 +80,12 @@ void PackedQuantizedLinear::eval_cpu(
         ? out.data<float>()
         : (y_buf.resize(size_t(M) * n), y_buf.data());
     cpu::qgemm(
-        dense_f32(x, x_buf), M, K, wq.data<uint8_t>(), sb.data<void>(),
+        dense(x, x_buf), M, K, wq.data<uint8_t>(), sb.data<void>(),
         scale_type(sb.dtype()), n, gs, bits, y, cpu::cpu_threads_or_one());
     if (out.dtype() == mx::float16) {
-      auto* o = out.data<uint16_t>();
-      for (size_t i = 0; i < y_buf.size(); ++i) {
-        o[i] = cpu::F16::store(y_buf[i]);
-      }
+      store<cpu::F16>(y_buf, out);
     } else if (out.dtype() == mx::bfloat16) {
-      auto* o = out.data<uint16_t>();
-      for (size_t i = 0; i < y_buf.size(); ++i) {
-        o[i] = cpu::BF16::store(y_buf[i]);
-      }
+      store<cpu::BF16>(y_buf, out);
     }
   };
   cpu::dispatch_cpu(stream(), inputs, out, std::move(job));
