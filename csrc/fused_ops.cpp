@@ -6,6 +6,7 @@
 #include <string>
 
 #include "arg_checks.h"
+#include "attention_args.h"
 #include "fused_primitives.h"
 #include "mlx/fast.h"
 #include "mlx/ops.h"
@@ -323,46 +324,10 @@ mx::array scaled_dot_product_attention(
   if (!std::isfinite(scale)) {
     bad_arg("scale must be finite, got " + num_str(scale));
   }
-  AttentionMask kind = AttentionMask::kNone;
-  if (mask_mode == "causal") {
-    if (mask) {
-      bad_arg("mask: pass either \"causal\" or an array, not both");
-    }
-    kind = AttentionMask::kCausal;
-  } else if (!mask_mode.empty()) {
-    bad_arg(
-        "mask must be None, \"causal\" or an array, got the string \"" +
-        mask_mode + "\"");
-  } else if (mask) {
-    kind = AttentionMask::kArray;
-  }
   auto final_type = mx::promote_types(
       mx::promote_types(queries.dtype(), keys.dtype()), values.dtype());
-  std::optional<mx::array> m;
-  if (kind == AttentionMask::kArray) {
-    m = *mask;
-    if (m->ndim() > 4) {
-      bad_arg(
-          "mask must have at most 4 dimensions, got shape " +
-          shape_str(m->shape()));
-    }
-    mx::Shape full = {B, Hq, T, S};
-    for (int i = 0; i < int(m->ndim()); ++i) {
-      int n = m->shape(i);
-      int want = full[4 - m->ndim() + i];
-      if (n != 1 && n != want) {
-        bad_arg(
-            "mask of shape " + shape_str(m->shape()) +
-            " does not broadcast to [B, Hq, T, S] = " + shape_str(full));
-      }
-    }
-    if (m->dtype() != mx::bool_ &&
-        mx::promote_types(m->dtype(), final_type) != final_type) {
-      bad_arg(
-          "mask must be bool or a dtype that promotes to the attention "
-          "dtype");
-    }
-  }
+  auto [kind, m] =
+      check_attention_mask(mask_mode, mask, B, Hq, T, S, final_type);
   auto st = mx::to_stream(s);
   if (st.device.type == mx::Device::gpu) {
     return mx::fast::scaled_dot_product_attention(

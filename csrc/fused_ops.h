@@ -56,6 +56,30 @@ mx::array scaled_dot_product_attention(
     const std::optional<mx::array>& mask,
     mx::StreamOrDevice s = {});
 
+// Keys or values in MLX's affine quantized layout (mx.quantize along the
+// head dimension, mlx-lm's QuantizedKVCache): packed uint32 [B, Hkv, S,
+// D * bits / 32], scales and biases [B, Hkv, S, D / group_size].
+struct QuantizedKV {
+  mx::array packed, scales, biases;
+};
+
+// scaled_dot_product_attention over quantized keys and values, read as
+// they are stored (no dequantized copy on a CPU stream): the softmax, masks
+// and NaN rows as there, each key and value row dequantized as
+// scale * q + bias in float32. bits 2, 3, 4, 5, 6 or 8; group_size 32, 64
+// or 128. Output: [B, Hq, T, Dv] in the promotion of the queries' and the
+// scales' dtypes. On a GPU stream: mx::dequantize and the mx::fast op.
+mx::array quantized_scaled_dot_product_attention(
+    const mx::array& queries,
+    const QuantizedKV& keys,
+    const QuantizedKV& values,
+    float scale,
+    int bits,
+    int group_size,
+    const std::string& mask_mode,
+    const std::optional<mx::array>& mask,
+    mx::StreamOrDevice s = {});
+
 // silu(gate) * x = gate * sigmoid(gate) * x, as mlx-lm's `swiglu`: float32
 // math, rounded to the output dtype after each op. gate and x must have the
 // same shape; the output dtype is their promotion.

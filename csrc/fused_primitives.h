@@ -177,6 +177,43 @@ class FusedAttention : public mx::UnaryPrimitive {
   AttentionMask mask_;
 };
 
+// Inputs: q [B, Hq, T, D] (float dtype, any strides); the keys as MLX's
+// affine quantization along D (mx.quantize, mlx-lm's QuantizedKVCache
+// layout): packed uint32 [B, Hkv, S, D * bits / 32], scales and biases
+// [B, Hkv, S, D / group_size] (one float dtype); the values likewise with
+// Dv; then for kArray the mask (as FusedAttention's). Output [B, Hq, T, Dv]
+// in q's dtype, row contiguous.
+class FusedQuantizedAttention : public mx::UnaryPrimitive {
+ public:
+  FusedQuantizedAttention(
+      mx::Stream stream,
+      float scale,
+      AttentionMask mask,
+      int bits,
+      int group_size)
+      : mx::UnaryPrimitive(stream),
+        scale_(scale),
+        mask_(mask),
+        bits_(bits),
+        group_size_(group_size) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+
+  const char* name() const override {
+    return "FusedQuantizedAttention";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  float scale_;
+  AttentionMask mask_;
+  int bits_;
+  int group_size_;
+};
+
 // Inputs: gate, x (same shape and float dtype, any strides). Output:
 // silu(gate) * x, their shape and dtype, row contiguous.
 class FusedSwiGLU : public ReferenceDifferentiable {

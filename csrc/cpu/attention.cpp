@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/attention_common.h"
 #include "cpu/fused_common.h"
 #include "cpu/thread_pool.h"
 #include "fused_primitives.h"
@@ -36,29 +37,12 @@ namespace {
 using namespace cpu;
 
 constexpr int kBlockRows = 8;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rough single-thread cost of one query row against one key (score and
 // weighted value) per element of D + Dv, in nanoseconds (order of
 // magnitude only), and the least work a second thread must get.
 constexpr double kNsPerElement = 0.05;
 constexpr double kMinThreadNs = 30000.0;
-
-template <class S>
-constexpr float lowest_of() {
-  if constexpr (std::is_same_v<S, F32>) {
-    return std::numeric_limits<float>::lowest();
-  } else if constexpr (std::is_same_v<S, F16>) {
-    return -65504.0f;
-  } else {
-    return -3.38953139e38f; // -(2 - 2^-7) * 2^127, bfloat16's lowest
-  }
-}
-
-struct Geometry {
-  int B, Hq, T, D, Hkv, S, Dv, n_rep;
-  int Dp, Dvp, Sp;
-};
 
 struct Inputs {
   const void* q;
@@ -67,9 +51,7 @@ struct Inputs {
   int64_t ks[4];
   const void* v;
   int64_t vs[4];
-  const void* mask; // bool or bits_t, nullptr if none
-  bool bool_mask;
-  int64_t ms[4]; // broadcast strides (0 on size-1 axes)
+  MaskView mask;
   void* out;
 };
 
@@ -79,8 +61,7 @@ struct Scratch {
   std::vector<float> vbuf; // value rows widened to Dvp floats
   std::vector<float> q; // kBlockRows x Dp, scaled queries (zero padded)
   std::vector<float> scores; // kBlockRows x Sp
-  std::vector<int> first, last; // per row of the job: visible key span
-  std::vector<char> blind; // per row: sees no key (span [0, S))
+  Spans spans;
 };
 
 // The key and value rows of one job as float32 rows a multiple of 8 wide.
@@ -90,60 +71,6 @@ struct Rows {
   const float* v;
   int64_t v_row;
 };
-
-// One row of a job: its head and position.
-struct RowAt {
-  int head, pos;
-};
-
-MTPLX_FUSED_INLINE RowAt row_at(const Geometry& G, int g, int i) {
-  return {g * G.n_rep + i % G.n_rep, i / G.n_rep};
-}
-
-// The visible key span [first, last) of every row of job (b, g) (causal: up
-// to the row's position; bool mask: its first to its last kept key). A row
-// that sees no key gets [0, S): the fallback averages all values.
-template <class S>
-MTPLX_FUSED_INLINE void spans(
-    const Geometry& G,
-    const Inputs& in,
-    AttentionMask kind,
-    int b,
-    int g,
-    int rows,
-    Scratch& sc) {
-  sc.first.assign(rows, 0);
-  sc.last.assign(rows, G.S);
-  sc.blind.assign(rows, 0);
-  for (int i = 0; i < rows; ++i) {
-    const RowAt at = row_at(G, g, i);
-    if (kind == AttentionMask::kCausal) {
-      const int last = at.pos + G.S - G.T; // last visible key
-      if (last >= 0) {
-        sc.last[i] = std::min(last + 1, G.S);
-      } else {
-        sc.blind[i] = 1;
-      }
-    } else if (kind == AttentionMask::kArray && in.bool_mask) {
-      const bool* m = static_cast<const bool*>(in.mask) + b * in.ms[0] +
-          at.head * in.ms[1] + at.pos * in.ms[2];
-      const int64_t st = in.ms[3];
-      int lo = 0, hi = G.S;
-      while (lo < G.S && !m[lo * st]) {
-        ++lo;
-      }
-      while (hi > lo && !m[(hi - 1) * st]) {
-        --hi;
-      }
-      if (lo < hi) {
-        sc.first[i] = lo;
-        sc.last[i] = hi;
-      } else {
-        sc.blind[i] = 1;
-      }
-    }
-  }
-}
 
 // What every row block of job (b, g) reads.
 struct Job {
@@ -163,11 +90,10 @@ MTPLX_FUSED_INLINE void attend_block(const Job& job, int row0) {
   using bits_t = typename S::bits_t;
   const Geometry& G = job.G;
   const Inputs& in = job.in;
-  const AttentionMask kind = job.kind;
   const int b = job.b, g = job.g;
   const Rows& kv = job.kv;
   Scratch& sc = job.sc;
-  constexpr float lowest = lowest_of<S>();
+  const Spans& sp = sc.spans;
   int lo = G.S, hi = 0;
   RowAt at[R];
   for (int r = 0; r < R; ++r) {
@@ -179,10 +105,9 @@ MTPLX_FUSED_INLINE void attend_block(const Job& job, int row0) {
     for (int d = 0; d < G.D; ++d) {
       qd[d] *= job.scale;
     }
-    lo = std::min(lo, sc.first[row0 + r]);
-    hi = std::max(hi, sc.last[row0 + r]);
+    lo = std::min(lo, sp.first[row0 + r]);
+    hi = std::max(hi, sp.last[row0 + r]);
   }
-  const int lo8 = lo / kLanes * kLanes, hi8 = round_up_lanes(hi);
 
   // Scores: each key row loaded once per block, vectors over d.
   for (int s = lo; s < hi; ++s) {
@@ -203,66 +128,10 @@ MTPLX_FUSED_INLINE void attend_block(const Job& job, int row0) {
   }
 
   float inv_sum[R];
-  bool nan_row[R];
   for (int r = 0; r < R; ++r) {
-    float* sr = sc.scores.data() + r * G.Sp;
-    const int first = sc.first[row0 + r], last = sc.last[row0 + r];
-    if (kind == AttentionMask::kCausal) {
-      const int from = sc.blind[row0 + r] ? lo : std::max(last, lo);
-      for (int s = from; s < hi; ++s) {
-        sr[s] = lowest;
-      }
-    } else if (kind == AttentionMask::kArray) {
-      const char* mp = static_cast<const char*>(in.mask);
-      const int64_t off =
-          b * in.ms[0] + at[r].head * in.ms[1] + at[r].pos * in.ms[2];
-      const int64_t st = in.ms[3];
-      if (in.bool_mask) {
-        const bool* m = reinterpret_cast<const bool*>(mp) + off;
-        for (int s = lo; s < hi; ++s) {
-          sr[s] = (s >= first && s < last && m[s * st]) ? sr[s] : lowest;
-        }
-      } else {
-        const bits_t* m = reinterpret_cast<const bits_t*>(mp) + off;
-        for (int s = lo; s < hi; ++s) {
-          sr[s] += S::load(m[s * st]);
-        }
-      }
-    }
-    // Keys outside [lo, hi): weight 0.
-    for (int s = lo8; s < lo; ++s) {
-      sr[s] = kNegInf;
-    }
-    for (int s = hi; s < hi8; ++s) {
-      sr[s] = kNegInf;
-    }
-    vf8 mv = vf8{} + kNegInf;
-    vi8 nan = vi8{};
-    for (int s = lo8; s < hi8; s += kLanes) {
-      const vf8 x = load8(sr + s);
-      mv = x > mv ? x : mv;
-      nan |= x != x;
-    }
-    float m = kNegInf;
-    bool has_nan = false;
-    for (int j = 0; j < kLanes; ++j) {
-      m = std::max(m, mv[j]);
-      has_nan |= nan[j] != 0;
-    }
-    nan_row[r] = has_nan || !std::isfinite(m);
-    if (nan_row[r]) {
-      // Keep the weighted sum finite; the row is overwritten with NaN.
-      std::fill(sr + lo8, sr + hi8, 0.0f);
-      inv_sum[r] = 0.0f;
-      continue;
-    }
-    vf8 sum = vf8{};
-    for (int s = lo8; s < hi8; s += kLanes) {
-      const vf8 e = exp_nonpos8(load8(sr + s) - m);
-      store8(sr + s, e);
-      sum += e;
-    }
-    inv_sum[r] = 1.0f / hsum8(sum);
+    inv_sum[r] = softmax_row<S>(
+        sc.scores.data() + r * G.Sp, in.mask, job.kind, sp, row0 + r, b,
+        at[r], lo, hi);
   }
 
   // Weighted sum of the value rows, one vector of columns at a time.
@@ -277,21 +146,11 @@ MTPLX_FUSED_INLINE void attend_block(const Job& job, int row0) {
         a[r] += sc.scores[r * G.Sp + s] * vv;
       }
     }
+    const int n = std::min(kLanes, G.Dv - c);
     for (int r = 0; r < R; ++r) {
-      bits_t* o = static_cast<bits_t*>(in.out) +
-          ((int64_t(b) * G.Hq + at[r].head) * G.T + at[r].pos) *
-              int64_t(G.Dv);
-      const int n = std::min(kLanes, G.Dv - c);
-      if (nan_row[r]) {
-        const float nan = std::numeric_limits<float>::quiet_NaN();
-        for (int j = 0; j < n; ++j) {
-          o[c + j] = S::store(nan);
-        }
-      } else {
-        for (int j = 0; j < n; ++j) {
-          o[c + j] = S::store(a[r][j] * inv_sum[r]);
-        }
-      }
+      float acc[kLanes];
+      store8(acc, a[r]);
+      write_row<S>(in.out, G, b, at[r], c, n, acc, inv_sum[r]);
     }
   }
 }
@@ -352,9 +211,8 @@ MTPLX_FUSED_INLINE void attend_job(
     int g) {
   thread_local Scratch sc;
   const int rows = G.n_rep * G.T;
-  spans<S>(G, in, kind, b, g, rows, sc);
-  const int lo = *std::min_element(sc.first.begin(), sc.first.end());
-  const int hi = *std::max_element(sc.last.begin(), sc.last.end());
+  spans_of(G, in.mask, kind, b, g, rows, sc.spans);
+  const int lo = sc.spans.lo, hi = sc.spans.hi;
 
   Rows kv;
   kv.k = widened<S>(in.k, in.ks, b, g, lo, hi, G.D, G.Dp, sc.kbuf, kv.k_row);
@@ -421,18 +279,8 @@ void attention_cpu(
     in.qs[i] = q.strides()[i];
     in.ks[i] = k.strides()[i];
     in.vs[i] = v.strides()[i];
-    in.ms[i] = 0;
   }
-  in.mask = nullptr;
-  in.bool_mask = false;
-  if (mask) {
-    in.mask = mask->data<void>();
-    in.bool_mask = mask->dtype() == mx::bool_;
-    const int lead = 4 - int(mask->ndim());
-    for (int i = 0; i < int(mask->ndim()); ++i) {
-      in.ms[lead + i] = mask->shape(i) == 1 ? 0 : mask->strides()[i];
-    }
-  }
+  in.mask = MaskView(mask);
   in.out = out.data<void>();
 
   const int jobs = G.B * G.Hkv;

@@ -37,6 +37,7 @@ from mtplx_ext.ops import (  # noqa: E402
     pack_quantized_weight,
     packed_linear,
     packed_quantized_linear,
+    quantized_scaled_dot_product_attention,
     restore_state,
     rms_norm,
     rope,
@@ -51,7 +52,7 @@ from mtplx_ext.ops import (  # noqa: E402
     verify_sampled,
     verify_sampled_chain,
 )
-from mtplx_ext.cache import CompiledStep, RaggedKVCache  # noqa: E402
+from mtplx_ext.cache import CompiledStep, QuantizedRaggedKVCache, RaggedKVCache  # noqa: E402
 from mtplx_ext.models import mlx_lm_patches as _patches  # noqa: E402
 from mtplx_ext.models.fused_modules import (  # noqa: E402
     FusedRMSNorm,
@@ -92,6 +93,7 @@ __all__ = [
     "PackedLinear",
     "PackedQuantizedEmbedding",
     "PackedQuantizedLinear",
+    "QuantizedRaggedKVCache",
     "RaggedKVCache",
     "Request",
     "SamplerConfig",
@@ -109,6 +111,7 @@ __all__ = [
     "packed_linear",
     "packed_quantized_linear",
     "restore_state",
+    "quantized_scaled_dot_product_attention",
     "rms_norm",
     "rope",
     "route_gated_delta",

@@ -3,6 +3,7 @@ decodes what it would without the cache, and prefills only the rest."""
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -100,3 +101,19 @@ def test_entries_are_evicted_least_recently_used_within_the_cap(shipped, rng):
     assert eng.prefix.lookup(prompts[0] + [1, 2, 3]) == (None, 0)  # the oldest is gone
     entry, m = eng.prefix.lookup(prompts[2] + [1, 2, 3])  # the newest is there
     assert entry is not None and m >= len(prompts[2]) - 1
+
+
+@pytest.mark.parametrize("kv_bits", [8, 4])
+def test_a_resumed_turn_over_quantized_kv_decodes_what_plain_decoding_at_those_bits_does(shipped, rng, kv_bits):
+    """The entry stores the quantized parts as the caches hold them; loading them resumes exactly."""
+    eng = Engine(shipped, max_batch=2, depth=2, prefill_chunk=32, prefix_cache_bytes=64 * MB, kv_bits=kv_bits)
+    V = shipped.vocab_size
+    system = rng.integers(0, V, 50).tolist()
+    (first,) = _run(eng, (system, dict(max_tokens=12)))
+    turn = system + first.tokens + rng.integers(0, V, 7).tolist()
+    (second,) = _run(eng, (turn, dict(max_tokens=20)))
+    assert eng.metrics()["prefix_hits"] == 1
+    want = mtplx_ext.generate_greedy_batched(shipped, [turn], max_new_tokens=20, use_mtp_draft=False, kv_bits=kv_bits)
+    assert second.tokens == want.streams[0].tokens
+    entry = next(iter(eng.prefix._entries.values()))
+    assert all(len(parts) == 6 and parts[0].dtype == mx.uint32 for parts in entry.kv)

@@ -308,3 +308,19 @@ def test_each_step_prefills_up_to_prefill_chunk_prompt_tokens_several_short_prom
             r.cancel()
         eng.run_until_idle()
     assert eng.live_streams == 0 and eng.kv_slots == 0
+
+
+def test_requests_over_quantized_kv_decode_what_each_decodes_alone_at_those_bits(shipped, rng):
+    """Rows admitted, moved and merged between batches carry their quantized KV (`kv_bits=8`)."""
+    eng = Engine(shipped, max_batch=3, depth=2, prefill_chunk=16, kv_bits=8)
+    arrivals, want = [], []
+    for _ in range(7):
+        prompt = _prompt(rng, shipped, 1, 40)
+        cap = int(rng.integers(1, 20))
+        alone = mtplx_ext.generate_greedy_batched(shipped, [prompt], max_new_tokens=cap, use_mtp_draft=False, kv_bits=8)
+        want.append(alone.streams[0].tokens)
+        arrivals.append((int(rng.integers(0, 20)), dict(prompt=prompt, max_tokens=cap)))
+    reqs = _drive(eng, arrivals)
+    for i, (r, w) in enumerate(zip(reqs, want)):
+        assert r.error is None and r.tokens == w, f"request {i}"
+    assert eng.metrics()["recompositions"] > 0

@@ -74,7 +74,8 @@ def main() -> int:
         mx.reset_peak_memory()
         before = mx.get_active_memory()  # the previous job's model is still alive
         rt = mtplx_ext.load(folder, group=group, parallel=job["parallel"], head=job.get("head"),
-                          fuse_cpu_ops=job.get("fuse", False))
+                          fuse_cpu_ops=job.get("fuse", False), kv_bits=job.get("kv_bits"),
+                          kv_group_size=job.get("kv_group_size", 64))
         load_peak = mx.get_peak_memory() - before
         dog.beat()
         nbytes = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))

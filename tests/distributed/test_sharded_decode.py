@@ -31,6 +31,9 @@ JOBS = [
     ("deepseek-pipeline", "deepseek_v3", "pipeline", "replicate", True),
     ("deepseek-tensor-head-sharded", "deepseek_v3", "tensor", "shard", False),  # named, as the default
 ]
+#: Jobs whose ranks keep quantized KV (`load(kv_bits=...)`): each rank quantizes its own heads' rows,
+#: which are the unsharded model's rows of those heads.
+KV_JOBS = {"qwen3-tensor-kv8": 8}
 
 
 def _cases(rng, vocab: int, sampled: bool) -> list[dict]:
@@ -86,14 +89,17 @@ def run(tmp_path_factory):
     rng = np.random.default_rng()
     tmp = tmp_path_factory.mktemp("dist")
     jobs, want, whole = [], {}, {}
-    for name, family, parallel, head, sampled in JOBS:
-        rt = mtplx_ext.init_random(family, seed=int(rng.integers(0, 2**31)))
+    for name, family, parallel, head, sampled in JOBS + [(n, "qwen3", "tensor", None, True) for n in KV_JOBS]:
+        kv = {"kv_bits": KV_JOBS[name], "kv_group_size": 32} if name in KV_JOBS else {}
+        rt = mtplx_ext.init_random(family, seed=int(rng.integers(0, 2**31)), **({"head_dim": 32} if kv else {}))
         rt.save(tmp / name)
+        if kv:
+            rt.set_kv_quantization(kv["kv_bits"], kv["kv_group_size"])
         cases = _cases(rng, rt.vocab_size, sampled)
         want[name] = _oracle(rt, cases)
         whole[name] = sum(v.nbytes for _, v in tree_flatten(rt.parameters()))
         jobs.append({"name": name, "task": "generate", "folder": str(tmp / name), "parallel": parallel,
-                     "head": head, "cases": cases})
+                     "head": head, "cases": cases, **kv})
     rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(0, 2**31)))
     rt.save(tmp / "engine")
     job = {"name": "engine", "task": "engine", "folder": str(tmp / "engine"), "parallel": "tensor",
@@ -112,7 +118,7 @@ def run(tmp_path_factory):
     return jobs, want, whole, outs
 
 
-@pytest.mark.parametrize("name", [j[0] for j in JOBS])
+@pytest.mark.parametrize("name", [j[0] for j in JOBS] + list(KV_JOBS))
 def test_two_ranks_commit_one_process_tokens(run, name):
     jobs, want, whole, outs = run
     cases = next(j for j in jobs if j["name"] == name)["cases"]

@@ -19,6 +19,7 @@ from mlx_lm.generate import generate_step
 import mtplx_ext
 from mtplx_ext.models import fused_modules, mlx_lm_patches
 from mtplx_ext.models.base import ZeroCentredRMSNorm
+from _attention import sdpa_ref
 from _poison import poison_allocator
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -121,31 +122,6 @@ def rope_ref(
         out[..., :h] = x1 * c - x2 * s
         out[..., h:dims] = x1 * s + x2 * c
     return out
-
-
-def sdpa_ref(q, k, v, scale: float, mask, lowest: float) -> np.ndarray:
-    """float64 attention; mask None, "causal", bool or additive (numpy)."""
-    B, Hq, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    rep = Hq // Hkv
-    kk = np.repeat(k, rep, axis=1)
-    vv = np.repeat(v, rep, axis=1)
-    scores = np.einsum("bhtd,bhsd->bhts", q, kk) * scale
-    if isinstance(mask, str):
-        mask = np.arange(T)[:, None] + (S - T) >= np.arange(S)[None, :]
-    if mask is not None and mask.dtype == np.bool_:
-        # A masked score becomes the dtype's lowest value: a fully masked row
-        # is then uniform.
-        scores = np.where(np.broadcast_to(mask, scores.shape), scores, lowest)
-    elif mask is not None:
-        scores = scores + mask
-    with np.errstate(invalid="ignore"):
-        m = scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores - m)
-        p = p / p.sum(axis=-1, keepdims=True)
-        out = np.einsum("bhts,bhsd->bhtd", p, vv)
-    bad = ~np.isfinite(m) | np.isnan(scores).any(axis=-1, keepdims=True)
-    return np.where(bad, np.nan, out)
 
 
 def lowest_of(dtype: str) -> float:

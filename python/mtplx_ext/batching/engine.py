@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext._checks import as_int, as_prompts, as_seed, as_stop_ids
+from mtplx_ext.cache.ragged import check_kv_quantization
 from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.depths import engine_depths
@@ -54,6 +55,7 @@ class Engine:
             the model's `max_position_embeddings`).
         prefix_cache_bytes: most bytes of prompt KV kept for later prompts
             that start alike (`prefix_cache.PrefixCache`; 0: off).
+        kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
 
     Raises:
         ValueError / TypeError: naming a bad argument; a trunk with
@@ -73,8 +75,10 @@ class Engine:
         tokenizer: Any = None,
         context: int | None = None,
         prefix_cache_bytes: int = 0,
+        kv_bits: int | None = None, kv_group_size: int = 64,
     ):
         self.rt = runtime
+        self._kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
         self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
         self.mtp, self.depth, self._route, self._depths = engine_depths(
             runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
@@ -109,8 +113,6 @@ class Engine:
                          "generated_tokens": 0, "recompositions": 0, "row_forwards": 0}
         self._thread: EngineThread | None = None
         self._wired: Any = None
-
-    # -- submitting (any thread) ---------------------------------------------
 
     def submit(
         self,
@@ -186,7 +188,7 @@ class Engine:
     def session(self) -> Iterator[None]:
         """The context `step` runs in (`start` enters it itself): fused attention, wired memory and, on hybrid
         trunks, mlx-lm's GatedDeltaNet routed through the capture op; process-wide, undone when the block ends."""
-        with session.decode_session(self.rt, self._route):
+        with session.decode_session(self.rt, self._route, self._kv):
             yield
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
@@ -482,8 +484,6 @@ class Engine:
                 self._fail(r, RuntimeError(why))
         for item in self.take_inbox():
             self._fail(item, RuntimeError(why))
-
-    # -- statistics ---------------------------------------------------------------
 
     def metrics(self) -> dict[str, Any]:
         """Counters and MTP statistics (thread-safe enough to read from handlers)."""

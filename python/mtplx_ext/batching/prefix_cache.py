@@ -31,10 +31,10 @@ from mtplx_ext.cache.rows import RowState, fit_capacity, split_layers
 
 @dataclass
 class Entry:
-    """A stored prompt: its tokens and the KV of every attention layer, [1, H, n, D] each."""
+    """A stored prompt: its tokens and the KV of every attention layer (its `buffers`, [1, H, n, X] each)."""
 
     tokens: np.ndarray
-    kv: list[tuple[mx.array, mx.array]]
+    kv: list[list[mx.array]]
     nbytes: int
 
 
@@ -97,8 +97,8 @@ class PrefixCache:
         if n < self.min_tokens:
             return
         # Copies (a slice would keep the whole capacity-sized buffer alive).
-        layers = [(mx.contiguous(c.keys[row : row + 1, :, :n]), mx.contiguous(c.values[row : row + 1, :, :n])) for c in kv]
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        layers = [[mx.contiguous(a[row : row + 1, :, :n]) for a in c.buffers] for c in kv]
+        nbytes = sum(a.nbytes for parts in layers for a in parts)
         if nbytes > self.max_bytes:
             return
         mx.eval([a for pair in layers for a in pair])
@@ -120,7 +120,7 @@ class PrefixCache:
         positions, kv, rec = split_layers(cache_lists)
         state = RowState(
             ends=[mx.array([m], dtype=mx.int32) for _ in positions],
-            kv=[(fit_capacity(k[:, :, :m], capacity), fit_capacity(v[:, :, :m], capacity)) for k, v in entry.kv],
+            kv=[[fit_capacity(a[:, :, :m], capacity) for a in parts] for parts in entry.kv],
             rec=[list(c.cache) for c in rec],
         )
         state.load_into(cache_lists, 1, capacity)

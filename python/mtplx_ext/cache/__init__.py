@@ -1,7 +1,8 @@
 """Decode caches: ragged per-stream KV, rollback and commit, row state, compiled steps.
 
 * `ragged`: `RaggedKVCache` / `RaggedPositions`, a KV cache whose streams each
-  keep their own end slot (per-stream rollback is moving that end);
+  keep their own end slot (per-stream rollback is moving that end), and
+  `QuantizedRaggedKVCache`, the same with keys and values stored quantized;
 * `rollback`: undoing a verification forward on mlx-lm cache lists (recurrent
   snapshots, KV trim, per-stream commit of captured recurrent states);
 * `rows`: a batch's device row state as one typed object: taken out of a
@@ -10,6 +11,13 @@
 """
 
 from mtplx_ext.cache.compiled_step import CompiledStep, mlx_kernel_cache_dir
-from mtplx_ext.cache.ragged import RaggedKVCache, RaggedPositions
+from mtplx_ext.cache.ragged import QuantizedRaggedKVCache, RaggedKVCache, RaggedPositions, check_kv_quantization
 
-__all__ = ["CompiledStep", "RaggedKVCache", "RaggedPositions", "mlx_kernel_cache_dir"]
+__all__ = [
+    "CompiledStep",
+    "QuantizedRaggedKVCache",
+    "RaggedKVCache",
+    "RaggedPositions",
+    "check_kv_quantization",
+    "mlx_kernel_cache_dir",
+]

@@ -146,7 +146,7 @@ class CompiledStep:
             [p.ends for p in self._positions]
             + [p.last_slot for p in self._positions]
             + [p.left_padding for p in self._positions]
-            + [a for c in self._layers for a in (c.keys, c.values)]
+            + [a for c in self._layers for a in c.buffers]
             + [a for c in self._recurrent for a in c.cache]
             + [getattr(obj, name) for obj, name in self._holders]
         )
@@ -155,9 +155,11 @@ class CompiledStep:
         n = len(self._positions)
         for i, p in enumerate(self._positions):
             p.load(state[i], state[n + i], state[2 * n + i])
-        for i, c in enumerate(self._layers):
-            c.keys, c.values = state[3 * n + 2 * i], state[3 * n + 2 * i + 1]
-        base = 3 * n + 2 * len(self._layers)
+        base = 3 * n
+        for c in self._layers:
+            k = len(c.buffers)
+            c.buffers = list(state[base : base + k])
+            base += k
         for c in self._recurrent:
             k = len(c.cache)
             c.cache = list(state[base : base + k])

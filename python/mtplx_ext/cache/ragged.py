@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_map
 from mlx_lm.models.cache import _BaseCache
 
 from mtplx_ext._checks import as_int
@@ -175,46 +176,90 @@ class RaggedKVCache(_BaseCache):
             )
         self._tick = p.tick
 
-    def _reserve(self, end: int, like_k: mx.array, like_v: mx.array) -> None:
+    def _encode(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        """New keys and values as this cache stores them (float: as they are)."""
+        return keys, values
+
+    def _reserve(self, end: int, like_k: Any, like_v: Any) -> None:
         cap = self.positions.capacity
         # A fixed capacity is allocated once (and grown only by `grow`).
-        if self.keys is not None and (cap is not None or end <= self.keys.shape[2]):
+        if self.keys is not None and (cap is not None or end <= self.slots):
             return
-        B, H, _, Dk = like_k.shape
-        Dv = like_v.shape[3]
-        have = 0 if self.keys is None else self.keys.shape[2]
+        have = 0 if self.keys is None else self.slots
         grow = cap if cap is not None else ((end - have + self.step - 1) // self.step) * self.step
-        new_k = mx.zeros((B, H, grow, Dk), like_k.dtype)
-        new_v = mx.zeros((B, H, grow, Dv), like_v.dtype)
+
+        def empty(like: mx.array) -> mx.array:
+            B, H, _, X = like.shape
+            return mx.zeros((B, H, grow, X), like.dtype)
+
+        new_k, new_v = tree_map(empty, like_k), tree_map(empty, like_v)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
-            self.keys = mx.concatenate([self.keys, new_k], axis=2)
-            self.values = mx.concatenate([self.values, new_v], axis=2)
+            cat = lambda a, b: mx.concatenate([a, b], axis=2)  # noqa: E731
+            self.keys, self.values = tree_map(cat, self.keys, new_k), tree_map(cat, self.values, new_v)
+
+    @property
+    def slots(self) -> int:
+        """Slots allocated per stream (0 before the first write)."""
+        return 0 if self.keys is None else self.buffers[0].shape[2]
+
+    @property
+    def buffers(self) -> list[mx.array] | None:
+        """Every stored array, [B, H, S, X] each with S slots (None before the first write).
+
+        Float KV: [keys, values]; quantized KV: the keys' (packed, scales,
+        biases) then the values'. Row moves, compaction, compiled steps and
+        the prefix cache carry a layer as this list.
+        """
+        if self.keys is None:
+            return None
+        k, v = self.keys, self.values
+        return [*k, *v] if isinstance(k, tuple) else [k, v]
+
+    @buffers.setter
+    def buffers(self, arrays: list[mx.array] | None) -> None:
+        if arrays is None:
+            self.keys = self.values = None
+        else:
+            self.keys, self.values = arrays[0], arrays[1]
+
+    def dense(self) -> tuple[mx.array, mx.array]:
+        """(keys, values) as float arrays [B, H, S, D] (dequantized when stored quantized)."""
+        return self.keys, self.values
 
     def grow(self, capacity: int) -> None:
         """Pads the allocated buffers with empty slots up to `capacity` slots."""
-        have = self.keys.shape[2]
+        have = self.slots
         if capacity > have:
             pad = [(0, 0), (0, 0), (0, capacity - have), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+            grow = lambda a: mx.pad(a, pad)  # noqa: E731
+            self.keys, self.values = tree_map(grow, self.keys), tree_map(grow, self.values)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
         """Writes [B, H, T, D] keys/values at each stream's end; returns the visible slots."""
         p = self.positions
         T = keys.shape[2]
         self._change("forward", T)
         start, write, _ = p.last_forward
+        keys, values = self._encode(keys, values)
         self._reserve(start + T, keys, values)
         if write is None:
-            self.keys[..., start : start + T, :] = keys
-            self.values[..., start : start + T, :] = values
+
+            def put(buf: mx.array, new: mx.array) -> mx.array:
+                buf[..., start : start + T, :] = new
+                return buf
+
         else:
-            self.keys = mx.put_along_axis(self.keys, mx.broadcast_to(write, keys.shape), keys, axis=2)
-            self.values = mx.put_along_axis(self.values, mx.broadcast_to(write, values.shape), values, axis=2)
+
+            def put(buf: mx.array, new: mx.array) -> mx.array:
+                return mx.put_along_axis(buf, mx.broadcast_to(write, new.shape), new, axis=2)
+
+        self.keys, self.values = tree_map(put, self.keys, keys), tree_map(put, self.values, values)
         if p.capacity is not None:
             return self.keys, self.values
-        return self.keys[..., : p.idx, :], self.values[..., : p.idx, :]
+        cut = lambda a: a[..., : p.idx, :]  # noqa: E731
+        return tree_map(cut, self.keys), tree_map(cut, self.values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kwargs: Any) -> mx.array:
         """[B, 1, N, S] bool: query t of stream b sees its slots up to ends[b] + t.
@@ -271,7 +316,72 @@ class RaggedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else sum(a.nbytes for a in self.buffers)
 
 
-__all__ = ["RaggedKVCache", "RaggedPositions"]
+class QuantizedRaggedKVCache(RaggedKVCache):
+    """`RaggedKVCache` whose keys and values are stored quantized, in mlx-lm's `QuantizedKVCache` layout.
+
+    Each token's key and value vectors are quantized on their own
+    (`mx.quantize` along the head dimension, groups of `group_size`), so
+    what a slot holds depends only on that token: rolling a stream back by
+    any count, mid-way through an allocation step or not, leaves every kept
+    slot as it was, and a verification's writes equal the one-token steps'.
+    `keys` / `values` are (packed uint32, scales, biases) tuples; the
+    attention layers see `bits` / `group_size` and read them through the
+    quantized attention (mlx-lm's helper, or the fused CPU kernel when the
+    mlx-lm ops are routed).
+
+    Args:
+        left_padding, positions: as `RaggedKVCache`.
+        bits: 2, 3, 4, 5, 6 or 8 bits per stored value.
+        group_size: 32, 64 or 128 values per scale and bias.
+    """
+
+    def __init__(
+        self, left_padding: list[int], positions: RaggedPositions | None = None, bits: int = 8, group_size: int = 64
+    ):
+        super().__init__(left_padding, positions)
+        self.bits, self.group_size = check_kv_quantization(bits, group_size)
+
+    def _encode(self, keys: mx.array, values: mx.array) -> tuple[Any, Any]:
+        D, Dv = keys.shape[-1], values.shape[-1]
+        if D % self.group_size or Dv % self.group_size:
+            raise ValueError(
+                f"kv_group_size={self.group_size} does not divide the head dimensions (keys {D}, values {Dv})"
+            )
+        q = lambda a: tuple(mx.quantize(a, group_size=self.group_size, bits=self.bits))  # noqa: E731
+        return q(keys), q(values)
+
+    @property
+    def buffers(self) -> list[mx.array] | None:
+        return RaggedKVCache.buffers.fget(self)
+
+    @buffers.setter
+    def buffers(self, arrays: list[mx.array] | None) -> None:
+        if arrays is None:
+            self.keys = self.values = None
+        else:
+            self.keys, self.values = tuple(arrays[:3]), tuple(arrays[3:])
+
+    def dense(self) -> tuple[mx.array, mx.array]:
+        deq = lambda t: mx.dequantize(*t, group_size=self.group_size, bits=self.bits)  # noqa: E731
+        return deq(self.keys), deq(self.values)
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_quantization(bits: object, group_size: object) -> tuple[int, int]:
+    """(bits, group_size) checked: ValueError naming `kv_bits` / `kv_group_size` otherwise."""
+    b = as_int("kv_bits", bits)
+    g = as_int("kv_group_size", group_size)
+    if b not in KV_BITS:
+        raise ValueError(f"kv_bits must be one of {KV_BITS} (or None for float KV), got {b}")
+    if g not in KV_GROUP_SIZES:
+        raise ValueError(f"kv_group_size must be one of {KV_GROUP_SIZES}, got {g}")
+    return b, g
+
+
+__all__ = ["KV_BITS", "KV_GROUP_SIZES", "QuantizedRaggedKVCache", "RaggedKVCache", "RaggedPositions", "check_kv_quantization"]

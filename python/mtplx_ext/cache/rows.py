@@ -70,26 +70,27 @@ class RowState:
 
     Attributes:
         ends: [B] end slots, one array per distinct `RaggedPositions`.
-        kv: (keys, values) per KV layer, [B, H, S, D] each.
+        kv: the stored arrays of each KV layer (`RaggedKVCache.buffers`:
+            keys and values, or their quantized parts), [B, H, S, X] each.
         rec: the leaves of each recurrent layer, [B, ...] each.
     """
 
     ends: list[mx.array]
-    kv: list[tuple[mx.array, mx.array]]
+    kv: list[list[mx.array]]
     rec: list[list[mx.array]]
 
     @classmethod
     def take(cls, cache_lists: CacheLists) -> "RowState":
         """The rows the cache lists hold now (references, no copy)."""
         positions, kv, rec = split_layers(cache_lists)
-        return cls([p.ends for p in positions], [(c.keys, c.values) for c in kv], [list(c.cache) for c in rec])
+        return cls([p.ends for p in positions], [c.buffers for c in kv], [list(c.cache) for c in rec])
 
     @staticmethod
     def release(cache_lists: CacheLists) -> None:
         """Drops the cache lists' references to their buffers (the rows live on wherever taken)."""
         _, kv, rec = split_layers(cache_lists)
         for c in kv:
-            c.keys = c.values = None
+            c.buffers = None
         for c in rec:
             c.cache = [None] * len(c.cache)
 
@@ -105,8 +106,10 @@ class RowState:
         last = mx.full((rows, 1), capacity - 1, mx.int32)
         for p, ends in zip(positions, self.ends):
             p.load(ends, last)
-        for c, (k, v) in zip(kv, self.kv):
-            c.keys, c.values = k, v
+        for c, arrays in zip(kv, self.kv):
+            if len(arrays) != len(c.buffers or arrays):
+                raise ValueError("RowState.load_into: a KV layer stores its keys otherwise than these rows")
+            c.buffers = list(arrays)
         for c, leaves in zip(rec, self.rec):
             c.cache, c.left_padding, c.lengths = list(leaves), None, None
 
@@ -125,11 +128,8 @@ class RowState:
         return RowState(
             ends=[cat(lambda s, j=j: s.ends[j]) for j in range(len(first.ends))],
             kv=[
-                (
-                    cat(lambda s, j=j: fit_capacity(s.kv[j][0], capacity)),
-                    cat(lambda s, j=j: fit_capacity(s.kv[j][1], capacity)),
-                )
-                for j in range(len(first.kv))
+                [cat(lambda s, j=j, k=k: fit_capacity(s.kv[j][k], capacity)) for k in range(len(parts))]
+                for j, parts in enumerate(first.kv)
             ],
             rec=[
                 [cat(lambda s, j=j, k=k: s.rec[j][k]) for k in range(len(leaves))]

@@ -16,6 +16,7 @@ or `FileNotFoundError` naming the file, field or tensor.
 """
 
 from mtplx_ext._checks import CheckpointError
+from mtplx_ext.cache.ragged import check_kv_quantization
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,8 @@ def load(
     group: Any = None,
     parallel: str = "tensor",
     head: str | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> MTPRuntime:
     """Loads a model folder into an MTP runtime; with a distributed `group`, this rank's part of it.
 
@@ -71,18 +74,26 @@ def load(
         head: "shard" (default in tensor parallel: the MTP head split like a
             trunk layer) or "replicate" (every rank runs the whole head; the
             default, and the only mode, pipelined).
+        kv_bits, kv_group_size: the runtime's caches store keys and values
+            quantized (`MTPRuntime.set_kv_quantization`: 2-8 bits, groups of
+            32/64/128, mlx-lm's `--kv-bits` layout); None: float KV.
 
     Raises:
         as `loading.load`; ValueError naming `parallel` / `head` for an
         unknown mode; CheckpointError for a family or width that cannot be
         split that way.
     """
+    kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
     if group is None:
         sharded.check_parallel(parallel, head)
-        return assistant.load(path, fuse_cpu_ops=fuse_cpu_ops, drafter=drafter)
-    if drafter is not None:
+        runtime = assistant.load(path, fuse_cpu_ops=fuse_cpu_ops, drafter=drafter)
+    elif drafter is not None:
         raise ValueError("drafter cannot be combined with a distributed group (not supported yet)")
-    return sharded.load(path, group=group, parallel=parallel, head=head, fuse_cpu_ops=fuse_cpu_ops)
+    else:
+        runtime = sharded.load(path, group=group, parallel=parallel, head=head, fuse_cpu_ops=fuse_cpu_ops)
+    if kv is not None:
+        runtime.set_kv_quantization(*kv)
+    return runtime
 
 
 # The models layer does not know file formats: this layer installs the writer

@@ -28,6 +28,7 @@ def add_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="MTP vs plain decoding vs mlx-lm, tokens/s")
     b.add_argument("--model", help="model folder (default: the shipped model)")
     b.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
+    common.add_kv_flags(b)
     b.add_argument(
         "--batch",
         type=parse_batches,
@@ -58,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
             check_writable(flag, path)
     dist = parallel.start(args)  # before stdout is taken: ranks > 0 print nothing
     out = Stdout()
-    rt = common.load_model(args.model, need_mtp=True, drafter=args.drafter, **parallel.load_kwargs(dist))
+    rt = common.load_model(args.model, need_mtp=True, drafter=args.drafter, **parallel.load_kwargs(dist),
+                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     tok = tokenizer(rt, args.model)
     print(f"BLAS: {_blas.describe()}", file=sys.stderr)
     # Distributed, mlx-lm's own generation runs the sharded trunk (its collectives included).

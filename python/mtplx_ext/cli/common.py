@@ -14,6 +14,7 @@ from mtplx_ext import sampling
 from mtplx_ext._checks import MAX_DRAFTS, SEED_LIMIT, as_int
 from mtplx_ext.benchmark import encode_prompts
 from mtplx_ext.cache.compiled_step import mlx_kernel_cache_dir
+from mtplx_ext.cache.ragged import KV_BITS, KV_GROUP_SIZES
 from mtplx_ext.checkpoints import load
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
@@ -22,13 +23,22 @@ class CLIError(Exception):
     """A user error: printed as one line, exit status 2."""
 
 
+def add_kv_flags(p: Any) -> None:
+    """`--kv-bits` / `--kv-group-size`, as mlx-lm's."""
+    p.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None, metavar="BITS",
+                   help=f"store keys and values quantized, {'/'.join(map(str, KV_BITS))} bits (default: float)")
+    p.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=64, metavar="N",
+                   help="values per scale and bias of quantized KV: 32, 64 or 128 (default 64)")
+
+
 def load_model(path: str | None, need_mtp: bool, drafter: str | None = None, group: Any = None,
-               parallel: str = "tensor") -> Any:
+               parallel: str = "tensor", kv_bits: int | None = None, kv_group_size: int = 64) -> Any:
     """Loads a model folder (default: the shipped one) with one-line errors.
 
     `drafter`: a Gemma 4 assistant folder drafting for the model (`--drafter`).
     With a distributed `group`, this rank's part of it (`checkpoints.sharded`,
-    split as `parallel` says).
+    split as `parallel` says). `kv_bits` / `kv_group_size`: its caches
+    store keys and values quantized (`--kv-bits`).
     """
     if drafter is not None and not Path(drafter).is_dir():
         raise CLIError(f"--drafter {drafter!r} is not a folder (give a gemma4_assistant model folder)")
@@ -46,7 +56,8 @@ def load_model(path: str | None, need_mtp: bool, drafter: str | None = None, gro
     if not any(folder.glob("*.safetensors")):
         raise CLIError(f"model folder {str(folder)!r} has no *.safetensors weights")
     try:
-        rt = load(folder, drafter=drafter) if group is None else load(folder, group=group, parallel=parallel)
+        kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+        rt = load(folder, drafter=drafter, **kv) if group is None else load(folder, group=group, parallel=parallel, **kv)
     except (ValueError, KeyError, OSError, RuntimeError) as e:  # corrupt files: one line, never a traceback
         raise CLIError(f"cannot load model folder {str(folder)!r}: {e}") from e
     if need_mtp and not rt.has_mtp:

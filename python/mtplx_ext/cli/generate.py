@@ -32,6 +32,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("prompt", nargs="*", help=f"prompt texts (default: {DEFAULT_PROMPT!r})")
     g.add_argument("--model", help="model folder (default: the shipped model)")
     g.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
+    common.add_kv_flags(g)
     g.add_argument("--max-tokens", type=positive("--max-tokens"), default=128)
     g.add_argument("--temperature", type=sampler_flag("--temperature", "temperature"), default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=sampler_flag("--top-p", "top_p"), default=1.0)
@@ -73,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
             "(seconds, cached for later runs; --enforce-eager skips compiling)",
             file=sys.stderr,
         )
-    rt = common.load_model(args.model, need_mtp=not args.no_mtp, drafter=args.drafter, **parallel.load_kwargs(dist))
+    rt = common.load_model(args.model, need_mtp=not args.no_mtp, drafter=args.drafter, **parallel.load_kwargs(dist),
+                           kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
     tok = tokenizer(rt, args.model)
     prompts = encode(tok, texts)
     context = admission.model_context(rt)

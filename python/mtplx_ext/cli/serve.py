@@ -19,6 +19,7 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible server with continuous MTP batching")
     s.add_argument("--model", help="model folder (default: the shipped model)")
     s.add_argument("--drafter", metavar="FOLDER", help="a Gemma 4 assistant folder drafting for --model")
+    common.add_kv_flags(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     s.add_argument("--port", type=int, default=8080)
     s.add_argument("--max-batch", type=positive("--max-batch"), default=limits.DEFAULT_MAX_BATCH,
@@ -63,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     try:
         rt = common.load_model(args.model, need_mtp=not args.no_mtp, drafter=args.drafter,
-                               **parallel.load_kwargs(dist))
+                               **parallel.load_kwargs(dist), kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
         folder = Path(args.model) if args.model else SHIPPED_MODEL
         if args.depth == "auto" and not args.no_mtp:
             parallel.agree_depth(dist, rt, [args.max_batch])

@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
+from mtplx_ext.cache.ragged import check_kv_quantization
 from mtplx_ext.engine import autodepth
 from mtplx_ext.engine import cycle as cycle_mod
 from mtplx_ext.engine.compaction import Compactor, compactable
@@ -41,6 +42,8 @@ def generate_batched(
     enforce_eager: bool = False,
     constraints: Sequence[Constraint | None] | None = None,
     compact_rows: bool = True,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> BatchedDecodeResult:
     """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle.
 
@@ -90,6 +93,11 @@ def generate_batched(
             costing forwards (`engine.compaction`: greedy decoding, compiled
             steps, the pipelined loop); False keeps every row to the end.
             Same tokens either way.
+        kv_bits, kv_group_size: store this decode's keys and values
+            quantized (2-8 bits, groups of 32/64/128: mlx-lm's
+            `--kv-bits` layout; MTP stays exactly plain decoding at the same
+            bits); None keeps the runtime's setting (`load(kv_bits=...)`,
+            float KV by default).
 
     Returns:
         A `BatchedDecodeResult`.
@@ -106,8 +114,10 @@ def generate_batched(
     seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
     stop_ids = as_stop_ids(stop_token_ids, vocab)
     use_mtp_draft = bool(use_mtp_draft)
+    kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
     if depth == autodepth.AUTO:
-        chosen = auto_depth(runtime, len(prompts), enforce_eager) if use_mtp_draft else 1
+        with session.kv_setting(runtime, kv):
+            chosen = auto_depth(runtime, len(prompts), enforce_eager) if use_mtp_draft else 1
         use_mtp_draft, depth = use_mtp_draft and chosen > 0, max(chosen, 1)
     depth = as_depth(depth)
     if reject_mode not in REJECT_MODES:
@@ -134,7 +144,7 @@ def generate_batched(
     if constraints is not None and mtp and not per_stream:
         raise ValueError("constraints need per-stream commit (reject_mode='repair' on a capturable trunk)")
     route = capturable and (per_stream or getattr(runtime, "cpu_ops_fused", False))
-    with session.decode_session(runtime, route):
+    with session.decode_session(runtime, route, kv):
         compiled = not bool(enforce_eager) and hasattr(policy, "state_attrs")
         return _generate(
             runtime, prompts, policy, max_new_tokens, stop_ids, mtp, depth if mtp else 0, serial, on_commit,
@@ -243,6 +253,8 @@ def generate_greedy_batched(
     serial: bool = False,
     on_commit: OnCommit | None = None,
     enforce_eager: bool = False,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
 ) -> BatchedDecodeResult:
     """Greedy batched MTP decoding: `generate_batched` at temperature 0.
 
@@ -259,4 +271,6 @@ def generate_greedy_batched(
         serial=serial,
         on_commit=on_commit,
         enforce_eager=enforce_eager,
+        kv_bits=kv_bits,
+        kv_group_size=kv_group_size,
     )

@@ -53,13 +53,26 @@ def has_recurrent_layers(runtime: Any) -> bool:
     return True if flag is None else bool(flag)
 
 
+def kv_setting(runtime: Any, kv: tuple[int, int] | None) -> Any:
+    """The runtime's caches made with keys and values quantized as kv = (bits, group size) (or as set)."""
+    return contextlib.nullcontext() if kv is None else runtime.kv_quantization(*kv)
+
+
 @contextlib.contextmanager
-def decode_session(runtime: Any, route: bool) -> Iterator[None]:
-    """Wired memory (mlx-lm's `wired_limit`), fused attention and, with `route`, gated-delta routing."""
+def decode_session(runtime: Any, route: bool, kv: tuple[int, int] | None = None) -> Iterator[None]:
+    """Wired memory (mlx-lm's `wired_limit`), fused attention, with `route` gated-delta routing, and with
+    `kv` the caches' KV quantization (`kv_setting`)."""
     from mlx_lm.generate import wired_limit  # noqa: PLC0415  (mlx_lm.generate imports much)
 
-    with wired_limit(runtime), fused_attention(runtime), route_recurrent(route):
+    with wired_limit(runtime), fused_attention(runtime), route_recurrent(route), kv_setting(runtime, kv):
         yield
 
 
-__all__ = ["decode_session", "fused_attention", "gated_delta_trunk", "has_recurrent_layers", "route_recurrent"]
+__all__ = [
+    "decode_session",
+    "fused_attention",
+    "gated_delta_trunk",
+    "has_recurrent_layers",
+    "kv_setting",
+    "route_recurrent",
+]

@@ -190,10 +190,11 @@ class FrozenKV:
 
 def _slots(c: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(keys, values, [B] end slots, [B] left padding) of a RaggedKVCache or BatchKVCache."""
-    if hasattr(c, "positions"):  # RaggedKVCache
+    if hasattr(c, "positions"):  # RaggedKVCache (dequantized when it stores quantized KV)
         p = c.positions
         S = p.capacity if p.capacity is not None else p.idx
-        return c.keys[..., :S, :], c.values[..., :S, :], p.ends, p.left_padding
+        keys, values = c.dense()
+        return keys[..., :S, :], values[..., :S, :], p.ends, p.left_padding
     S = c._idx  # mlx-lm's BatchKVCache: every stream ends at the same slot
     pads = c.left_padding
     return c.keys[..., :S, :], c.values[..., :S, :], mx.full(pads.shape, S, mx.int32), pads

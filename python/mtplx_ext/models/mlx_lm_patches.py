@@ -102,8 +102,13 @@ def _attention_router(original: Callable) -> Callable:
         mask: mx.array | str | None,
         sinks: mx.array | None = None,
     ) -> mx.array:
-        if sinks is not None or hasattr(cache, "bits"):
+        if sinks is not None:
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+        if hasattr(cache, "bits"):  # quantized KV: (packed, scales, biases) keys and values
+            return _ext.quantized_scaled_dot_product_attention(
+                queries, tuple(keys), tuple(values), scale=scale, bits=cache.bits,
+                group_size=cache.group_size, mask=mask,
+            )
         return _ext.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 
     return routed_attention
@@ -124,8 +129,9 @@ def patch_mlx_lm_attention() -> MlxLmPatch:
 
     Replaces `mlx_lm.models.base.scaled_dot_product_attention`, there and in
     every already imported `mlx_lm.models.*` module holding it (modules
-    imported later pick it up from base), by a router: quantized KV caches
-    and attention sinks go to mlx-lm's own helper, everything else to
+    imported later pick it up from base), by a router: attention sinks go to
+    mlx-lm's own helper, quantized KV caches (those with `bits`) to
+    `quantized_scaled_dot_product_attention`, everything else to
     `scaled_dot_product_attention` here. It affects every mlx-lm model in the
     process until `undo()` on the returned handle (or the end of a `with`
     block). Calling it while a patch is active changes nothing and returns

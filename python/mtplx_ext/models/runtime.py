@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,7 @@ from mlx_lm.models.cache import ArraysCache
 
 from mtplx_ext._checks import as_int, as_int_list, require_token_batch
 from mtplx_ext.cache import rollback
+from mtplx_ext.cache.ragged import check_kv_quantization
 from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 from mtplx_ext.models.fused_modules import fuse_cpu_ops
@@ -70,6 +73,40 @@ class MTPRuntime(nn.Module):
         self.head_layout = head.layout if head is not None else None
         self.vocab_size = int(trunk_lib.text_config(config)["vocab_size"])
         object.__setattr__(self, "_cpu_ops_fused", False)
+        object.__setattr__(self, "_kv", (None, 64))
+
+    @property
+    def kv_bits(self) -> int | None:
+        """Bits per stored key/value of the caches this runtime makes (None: float KV)."""
+        return self._kv[0]
+
+    @property
+    def kv_group_size(self) -> int:
+        """Values per scale and bias of quantized KV."""
+        return self._kv[1]
+
+    def set_kv_quantization(self, bits: int | None, group_size: int = 64) -> None:
+        """Makes later caches store keys and values quantized (`QuantizedRaggedKVCache`), or float (None).
+
+        Args:
+            bits: 2, 3, 4, 5, 6 or 8 (mlx-lm's `--kv-bits`), or None.
+            group_size: 32, 64 or 128 (mlx-lm's `--kv-group-size`).
+
+        Raises:
+            ValueError / TypeError: naming `kv_bits` / `kv_group_size`.
+        """
+        kv = (None, as_int("kv_group_size", group_size)) if bits is None else check_kv_quantization(bits, group_size)
+        object.__setattr__(self, "_kv", kv)
+
+    @contextmanager
+    def kv_quantization(self, bits: int | None, group_size: int = 64) -> Iterator[None]:
+        """`set_kv_quantization` for the caches made inside a `with` block (the setting before comes back after)."""
+        before = self._kv
+        self.set_kv_quantization(bits, group_size)
+        try:
+            yield
+        finally:
+            object.__setattr__(self, "_kv", before)
 
     @property
     def config(self) -> dict:
@@ -134,7 +171,20 @@ class MTPRuntime(nn.Module):
 
     # -- caches ------------------------------------------------------------
 
-    def make_cache(self, left_padding: list[int], ragged: bool = False, capacity: int | None = None) -> list:
+    def _kv_args(self, kv_bits: int | None, kv_group_size: int | None) -> tuple[int | None, int]:
+        """This call's (bits, group size): the arguments where given, else the runtime's setting."""
+        if kv_bits is None:
+            return self.kv_bits, self.kv_group_size
+        return check_kv_quantization(kv_bits, self.kv_group_size if kv_group_size is None else kv_group_size)
+
+    def make_cache(
+        self,
+        left_padding: list[int],
+        ragged: bool = False,
+        capacity: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
+    ) -> list:
         """Batch-aware trunk caches, one per layer.
 
         Args:
@@ -144,17 +194,27 @@ class MTPRuntime(nn.Module):
                 be rolled back on its own) instead of mlx-lm's `BatchKVCache`.
             capacity: with `ragged`, a fixed slot count per stream (buffers
                 allocated once, shapes fixed: decode steps can be compiled).
+            kv_bits, kv_group_size: store keys and values quantized
+                (`QuantizedRaggedKVCache`, always ragged); default: the
+                runtime's `set_kv_quantization`.
 
         Returns:
             `BatchKVCache` (or `RaggedKVCache`) for attention layers,
             `ArraysCache(2, left_padding=...)` for recurrent layers.
         """
         return trunk_lib.make_trunk_cache(
-            self.trunk, _check_left_padding(left_padding), ragged, _check_capacity(capacity)
+            self.trunk, _check_left_padding(left_padding), ragged, _check_capacity(capacity),
+            self._kv_args(kv_bits, kv_group_size),
         )
 
     def make_head_cache(
-        self, left_padding: list[int], ragged: bool = False, capacity: int | None = None, depth: int = 1
+        self,
+        left_padding: list[int],
+        ragged: bool = False,
+        capacity: int | None = None,
+        depth: int = 1,
+        kv_bits: int | None = None,
+        kv_group_size: int | None = None,
     ) -> list:
         """Batch-aware caches for the head's attention layer(s) (see `make_cache`).
 
@@ -174,13 +234,16 @@ class MTPRuntime(nn.Module):
         if getattr(self.head, "frozen_kv", False):
             return []  # a frozen-KV drafter (Gemma 4 assistant) reads the trunk's caches
         mods = self.mtp_modules
+        kvq = self._kv_args(kv_bits, kv_group_size)
         if len(mods) == 1:
-            return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, cap)
+            return trunk_lib.make_layer_caches(self.head.layer_list(), pads, ragged, cap, kvq)
         depth = as_int("depth", depth, lo=1)
         kv = [
             c
             for j in range(depth)
-            for c in trunk_lib.make_layer_caches(mods[j % len(mods)].layer_list(), [p + j for p in pads], ragged, cap)
+            for c in trunk_lib.make_layer_caches(
+                mods[j % len(mods)].layer_list(), [p + j for p in pads], ragged, cap, kvq
+            )
         ]
         return kv + [ArraysCache(1) for _ in range(depth - 1)]
 

@@ -17,7 +17,7 @@ from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 from mlx_lm.utils import MODEL_REMAPPING
 
-from mtplx_ext.cache.ragged import RaggedKVCache, RaggedPositions
+from mtplx_ext.cache.ragged import QuantizedRaggedKVCache, RaggedKVCache, RaggedPositions
 from mtplx_ext.models import gemma4_trunk
 
 # Families whose attention applies the mask with mx.where and so needs an
@@ -174,7 +174,11 @@ def project(trunk: nn.Module, normed: mx.array) -> mx.array:
 
 
 def make_trunk_cache(
-    trunk: nn.Module, left_padding: list[int], ragged: bool = False, capacity: int | None = None
+    trunk: nn.Module,
+    left_padding: list[int],
+    ragged: bool = False,
+    capacity: int | None = None,
+    kv: tuple[int | None, int] = (None, 64),
 ) -> list[Any]:
     """Batch-aware caches, one per trunk layer (of this rank's layers), for left-padded prompts.
 
@@ -185,26 +189,32 @@ def make_trunk_cache(
     layers = local_layers(trunk)
     if gemma4_trunk.is_gemma4(trunk):
         layers = layers[: gemma4_trunk.kv_layer_count(trunk)]
-    return make_layer_caches(layers, left_padding, ragged, capacity)
+    return make_layer_caches(layers, left_padding, ragged, capacity, kv)
 
 
 def make_layer_caches(
-    layers: list[nn.Module], left_padding: list[int], ragged: bool = False, capacity: int | None = None
+    layers: list[nn.Module],
+    left_padding: list[int],
+    ragged: bool = False,
+    capacity: int | None = None,
+    kv: tuple[int | None, int] = (None, 64),
 ) -> list[Any]:
     """`ArraysCache(2, left_padding)` for recurrent layers, else `BatchKVCache`
     (`RaggedKVCache` when `ragged`: per-stream rollback without a re-forward;
-    with a fixed slot `capacity` when given)."""
+    with a fixed slot `capacity` when given). `kv` = (bits, group size) with
+    bits not None: `QuantizedRaggedKVCache`, ragged whatever `ragged` says."""
     if capacity is not None and not ragged:
         raise ValueError("capacity is only supported with ragged=True")
+    bits, group = kv
+    ragged = ragged or bits is not None
     positions = RaggedPositions(list(left_padding), capacity) if ragged else None
-    return [
-        ArraysCache(size=2, left_padding=list(left_padding))
-        if is_recurrent(l)
-        else RaggedKVCache(list(left_padding), positions)
-        if ragged
-        else BatchKVCache(list(left_padding))
-        for l in layers
-    ]
+
+    def attention_cache() -> Any:
+        if bits is not None:
+            return QuantizedRaggedKVCache(list(left_padding), positions, bits, group)
+        return RaggedKVCache(list(left_padding), positions) if ragged else BatchKVCache(list(left_padding))
+
+    return [ArraysCache(size=2, left_padding=list(left_padding)) if is_recurrent(l) else attention_cache() for l in layers]
 
 
 def make_attention_layer(trunk: nn.Module) -> nn.Module:

@@ -5,7 +5,7 @@
 * `state_copy`: device snapshot / masked restore of state leaves in one launch;
 * `gated_delta`: the gated-delta rule over a chunk plus the state after every position,
   and the routing of mlx-lm's GatedDeltaNet through it;
-* `fused`: single-node CPU RMSNorm, RoPE, attention and SwiGLU;
+* `fused`: single-node CPU RMSNorm, RoPE, attention (float or quantized KV) and SwiGLU;
 * `linear`: Linear weights packed once and the CPU decode GEMM over them;
 * `qlinear`: affine-quantized weights repacked once and the CPU's quantized GEMM (int8 dot products);
 * `threads`: the CPU kernels' thread count.
@@ -14,7 +14,13 @@ Every wrapper raises TypeError / ValueError naming the bad argument before a
 kernel touches memory.
 """
 
-from mtplx_ext.ops.fused import rms_norm, rope, scaled_dot_product_attention, swiglu
+from mtplx_ext.ops.fused import (
+    quantized_scaled_dot_product_attention,
+    rms_norm,
+    rope,
+    scaled_dot_product_attention,
+    swiglu,
+)
 from mtplx_ext.ops.linear import pack_linear_weight, packed_linear, unpack_linear_weight
 from mtplx_ext.ops.qlinear import pack_quantized_weight, packed_quantized_linear, unpack_quantized_weight
 from mtplx_ext.ops.gated_delta import gated_delta_capture, route_gated_delta
@@ -28,6 +34,7 @@ __all__ = [
     "pack_quantized_weight",
     "packed_linear",
     "packed_quantized_linear",
+    "quantized_scaled_dot_product_attention",
     "restore_state",
     "rms_norm",
     "rope",

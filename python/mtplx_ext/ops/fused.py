@@ -180,6 +180,66 @@ def scaled_dot_product_attention(
     )
 
 
+def _quantized_triple(name: str, value: object) -> tuple[mx.array, mx.array, mx.array]:
+    if not (isinstance(value, (tuple, list)) and len(value) == 3 and all(isinstance(a, mx.array) for a in value)):
+        raise TypeError(f"{name} must be a (packed, scales, biases) tuple of mx.array (mx.quantize's output)")
+    return value[0], value[1], value[2]
+
+
+def quantized_scaled_dot_product_attention(
+    queries: mx.array,
+    keys: tuple[mx.array, mx.array, mx.array],
+    values: tuple[mx.array, mx.array, mx.array],
+    *,
+    scale: float,
+    bits: int,
+    group_size: int,
+    mask: mx.array | str | None = None,
+    stream: StreamLike = None,
+) -> mx.array:
+    """`scaled_dot_product_attention` over keys and values quantized as mlx-lm's `QuantizedKVCache` stores them.
+
+    The CPU kernel reads the packed KV as it is (no dequantized copy of the
+    cache): each key and value row is dequantized as `scale * q + bias` in
+    float32 once per call, whatever the number of query rows sharing its kv
+    head, then the softmax, masks and NaN rows are those of
+    `scaled_dot_product_attention`. A query row's result does not depend on
+    the other rows of the call. On a GPU stream: `mx.dequantize` and the
+    `mx.fast` op.
+
+    Args:
+        queries: [B, Hq, T, D] float32/float16/bfloat16.
+        keys: (packed uint32 [B, Hkv, S, D * bits / 32], scales, biases
+            [B, Hkv, S, D / group_size]) as `mx.quantize(k, group_size, bits)`.
+        values: the same for [B, Hkv, S, Dv].
+        scale: factor on the scores.
+        bits: 2, 3, 4, 5, 6 or 8.
+        group_size: 32, 64 or 128.
+        mask: as for `scaled_dot_product_attention`.
+        stream: MLX stream or device.
+
+    Returns:
+        [B, Hq, T, Dv] in the promotion of the queries' and scales' dtypes.
+
+    Raises:
+        TypeError / ValueError: naming the bad argument.
+    """
+    queries = _require_float("queries", queries)
+    k = _quantized_triple("keys", keys)
+    v = _quantized_triple("values", values)
+    scale = _require_number("scale", scale)
+    bits = as_int("bits", bits)
+    group_size = as_int("group_size", group_size)
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f'mask must be None, "causal" or an mx.array, got {mask!r}')
+    elif mask is not None and not isinstance(mask, mx.array):
+        raise TypeError(f'mask must be None, "causal" or an mx.array, got {type(mask).__name__}')
+    return _ext.quantized_scaled_dot_product_attention(
+        queries, k, v, scale=scale, bits=bits, group_size=group_size, mask=mask, stream=stream
+    )
+
+
 def swiglu(gate: mx.array, x: mx.array, *, stream: StreamLike = None) -> mx.array:
     """silu(gate) * x, as mlx-lm's `swiglu` (the SwiGLU MLPs' activation).
 
