@@ -1,10 +1,12 @@
 """What one MTP cycle costs, by part, in units of one plain decode step.
 
 With the shipped model (or --model), compiled steps over fixed-capacity
-ragged caches as the decode loop runs them, after a 64-token prefill:
+ragged caches as the decode loop runs them, after a 64-token prefill (or
+`--prefill`, over float or `--kv-bits` KV):
 
 * plain: trunk forward of [B, 1] + greedy pick (one plain decode step);
-* verify: trunk forward of [B, 2] + `verify_greedy` (a cycle's verification);
+* verify: trunk forward of [B, 2] + `verify_greedy` (a cycle's verification;
+  `--width` K + 1: the forward of [B, K + 1] and its argmax);
 * head: the MTP head over 2 positions + draft argmax;
 * cycle: verify, head and the per-stream rollback in one compiled step.
 
@@ -12,7 +14,8 @@ MTP decoding can beat plain decoding by at most (1 + acceptance) / (cycle /
 plain): this is the floor the end-to-end table in RESULTS.md runs into.
 Parts are timed with one `mx.eval` each, in interleaved rounds; medians.
 
-Run: python bench/scripts/cycle_costs.py [--batch 1,8] [--rounds 7] [--steps 40]
+Run: python bench/scripts/cycle_costs.py [--batch 1,8] [--rounds 7] [--steps 40] [--prefill 3000]
+     [--width 4] [--kv-bits 8]
 """
 
 from __future__ import annotations
@@ -38,14 +41,17 @@ PREFILL = 64
 class Parts:
     """Compiled parts of a cycle for one batch size, on freshly prefilled caches."""
 
-    def __init__(self, rt, batch: int, steps: int):
-        self.rt, self.B = rt, batch
-        cap = PREFILL + 2 * steps + 8
-        self.cache = rt.make_cache([0] * batch, ragged=True, capacity=cap)
-        self.head_cache = rt.make_head_cache([0] * batch, ragged=True, capacity=cap)
-        prompt = mx.random.randint(0, rt.vocab_size, (batch, PREFILL + 1)).astype(mx.int32)
-        _, hidden = rt.forward(prompt[:, :-1], self.cache)
-        rt.head_forward(hidden, prompt[:, 1:], self.head_cache)
+    def __init__(self, rt, batch: int, steps: int, prefill: int = PREFILL, width: int = 2, kv_bits: int | None = None):
+        self.rt, self.B, self.width = rt, batch, width
+        cap = prefill + 2 * steps + 8
+        kv = {"kv_bits": kv_bits}
+        self.cache = rt.make_cache([0] * batch, ragged=True, capacity=cap, **kv)
+        self.head_cache = rt.make_head_cache([0] * batch, ragged=True, capacity=cap, **kv)
+        prompt = mx.random.randint(0, rt.vocab_size, (batch, prefill + 1)).astype(mx.int32)
+        for s in range(0, prefill, 512):  # in chunks: a long prompt's attention scores stay small
+            _, hidden = rt.forward(prompt[:, s : min(s + 512, prefill)], self.cache)
+            rt.head_forward(hidden, prompt[:, s + 1 : min(s + 512, prefill) + 1], self.head_cache)
+            mx.eval([c.state for c in self.cache + self.head_cache])
         mx.eval([c.state for c in self.cache + self.head_cache])
         self.hidden = mx.random.normal((batch, 2, hidden.shape[-1]))
         self.steps = {
@@ -62,8 +68,8 @@ class Parts:
 
     def _verify(self, tokens: mx.array) -> mx.array:
         logits, _ = self.rt.forward(tokens, self.cache)
-        cache_state.rollback_streams(self.cache, mx.full((self.B,), 2, mx.int32))
-        return verify_greedy(logits, tokens)
+        cache_state.rollback_streams(self.cache, mx.full((self.B,), tokens.shape[1], mx.int32))
+        return verify_greedy(logits, tokens) if tokens.shape[1] == 2 else mx.argmax(logits, axis=-1)
 
     def _head(self, tokens: mx.array) -> mx.array:
         logits = self.rt.head_forward(self.hidden, tokens, self.head_cache)
@@ -83,7 +89,8 @@ class Parts:
 
     def time(self, name: str, steps: int) -> float:
         step = self.steps[name]
-        tokens = mx.random.randint(0, self.rt.vocab_size, (self.B, 2)).astype(mx.int32)
+        width = self.width if name == "verify" else 2
+        tokens = mx.random.randint(0, self.rt.vocab_size, (self.B, width)).astype(mx.int32)
         times = []
         for i in range(steps + 3):
             t = time.perf_counter()
@@ -100,6 +107,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--acceptance", type=float, default=0.84, help="for the last column (shipped model: 0.84)")
+    ap.add_argument("--prefill", type=int, default=PREFILL, help="context the parts run at")
+    ap.add_argument("--width", type=int, default=2, help="tokens per row of the verification (K + 1)")
+    ap.add_argument("--kv-bits", type=int, default=None, help="quantized KV (default: float)")
     args = ap.parse_args()
     rt = mtplx_ext.load(args.model)
     names = ("plain", "verify", "head", "cycle")
@@ -110,7 +120,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     with patch_mlx_lm_ops():
         for batch in (int(b) for b in args.batch.split(",")):
-            parts = Parts(rt, batch, args.steps)
+            parts = Parts(rt, batch, args.steps, args.prefill, args.width, args.kv_bits)
             rounds = [{n: parts.time(n, args.steps) for n in names} for _ in range(args.rounds)]
             ratio = {n: statistics.median(r[n] / r["plain"] for r in rounds) for n in names}
             plain_ms = statistics.median(r["plain"] for r in rounds) * 1e3

@@ -94,6 +94,14 @@ inline void spans_of(
   sp.blind.assign(rows, 0);
   for (int i = 0; i < rows; ++i) {
     const RowAt at = row_at(G, g, i);
+    if (i % G.n_rep != 0 && kind == AttentionMask::kArray && mask.st[1] == 0) {
+      // The heads of a position share its mask row (broadcast over heads).
+      const int same = i - i % G.n_rep;
+      sp.first[i] = sp.first[same];
+      sp.last[i] = sp.last[same];
+      sp.blind[i] = sp.blind[same];
+      continue;
+    }
     if (kind == AttentionMask::kCausal) {
       const int last = at.pos + G.S - G.T; // last visible key
       if (last >= 0) {
@@ -124,56 +132,59 @@ inline void spans_of(
   sp.hi = *std::max_element(sp.last.begin(), sp.last.end());
 }
 
-// Masks and exponentiates row i's scores sr[lo, hi) in place (keys in
-// [lo8, lo) and [hi, hi8) get weight 0), where lo8 / hi8 round lo / hi to
-// whole lanes. Returns 1 / (sum of the weights), or 0 for a row to be
-// written as NaN (its maximum is not finite or it holds a NaN; its weights
-// are then zeroed so the weighted sum stays finite).
+// Row i's scores sr[0, n8) of the keys [a, a + n8) of one segment: masks
+// the keys [a, e) (causal or bool: the dtype's lowest value outside the
+// row's span or where the mask is false; additive: added), gives the lanes
+// from e on weight 0, and exponentiates against the segment's maximum, which
+// it returns (kNegInf where no lane has any weight). `sum` gets the sum of
+// the exponentials; `nan_flag` 1 where a score is NaN or the maximum is not
+// finite (the row is then NaN; its weights here are zeroed).
 template <class S>
-MTPLX_FUSED_INLINE float softmax_row(
+MTPLX_FUSED_INLINE float segment_softmax(
     float* sr,
     const MaskView& mask,
     AttentionMask kind,
     const Spans& sp,
     int i,
-    int b,
+    int bi,
     RowAt at,
-    int lo,
-    int hi) {
+    int a,
+    int e,
+    int n8,
+    float& sum,
+    float& nan_flag) {
   using bits_t = typename S::bits_t;
   constexpr float lowest = lowest_of<S>();
-  const int lo8 = lo / kLanes * kLanes, hi8 = round_up_lanes(hi);
+  const int n = e - a;
   const int first = sp.first[i], last = sp.last[i];
   if (kind == AttentionMask::kCausal) {
-    const int from = sp.blind[i] ? lo : std::max(last, lo);
-    for (int s = from; s < hi; ++s) {
-      sr[s] = lowest;
+    const int from = sp.blind[i] ? 0 : std::clamp(last - a, 0, n);
+    for (int j = from; j < n; ++j) {
+      sr[j] = lowest;
     }
   } else if (kind == AttentionMask::kArray) {
-    const int64_t off = mask.offset(b, at.head, at.pos);
+    const int64_t off = mask.offset(bi, at.head, at.pos);
     const int64_t st = mask.st[3];
     if (mask.is_bool) {
       const bool* m = static_cast<const bool*>(mask.data) + off;
-      for (int s = lo; s < hi; ++s) {
-        sr[s] = (s >= first && s < last && m[s * st]) ? sr[s] : lowest;
+      for (int j = 0; j < n; ++j) {
+        const int s = a + j;
+        sr[j] = (s >= first && s < last && m[s * st]) ? sr[j] : lowest;
       }
     } else {
       const bits_t* m = static_cast<const bits_t*>(mask.data) + off;
-      for (int s = lo; s < hi; ++s) {
-        sr[s] += S::load(m[s * st]);
+      for (int j = 0; j < n; ++j) {
+        sr[j] += S::load(m[(a + j) * st]);
       }
     }
   }
-  for (int s = lo8; s < lo; ++s) {
-    sr[s] = kNegInf;
-  }
-  for (int s = hi; s < hi8; ++s) {
-    sr[s] = kNegInf;
+  for (int j = n; j < n8; ++j) {
+    sr[j] = kNegInf;
   }
   vf8 mv = vf8{} + kNegInf;
   vi8 nan = vi8{};
-  for (int s = lo8; s < hi8; s += kLanes) {
-    const vf8 x = load8(sr + s);
+  for (int j = 0; j < n8; j += kLanes) {
+    const vf8 x = load8(sr + j);
     mv = x > mv ? x : mv;
     nan |= x != x;
   }
@@ -183,21 +194,24 @@ MTPLX_FUSED_INLINE float softmax_row(
     m = std::max(m, mv[j]);
     has_nan |= nan[j] != 0;
   }
-  if (has_nan || !std::isfinite(m)) {
-    std::fill(sr + lo8, sr + hi8, 0.0f);
-    return 0.0f;
+  nan_flag = (has_nan || m == std::numeric_limits<float>::infinity()) ? 1.0f : 0.0f;
+  if (nan_flag != 0.0f || m == kNegInf) {
+    std::fill(sr, sr + n8, 0.0f);
+    sum = 0.0f;
+    return m == kNegInf ? kNegInf : m;
   }
-  vf8 sum = vf8{};
-  for (int s = lo8; s < hi8; s += kLanes) {
-    const vf8 e = exp_nonpos8(load8(sr + s) - m);
-    store8(sr + s, e);
-    sum += e;
+  vf8 acc = vf8{};
+  for (int j = 0; j < n8; j += kLanes) {
+    const vf8 x = exp_nonpos8(load8(sr + j) - m);
+    store8(sr + j, x);
+    acc += x;
   }
-  return 1.0f / hsum8(sum);
+  sum = hsum8(acc);
+  return m;
 }
 
 // Writes output row `at` of batch b: acc[0, Dv) * inv_sum, or NaN where
-// inv_sum is 0 (see softmax_row).
+// inv_sum is 0 (a row whose softmax is not defined).
 template <class S>
 MTPLX_FUSED_INLINE void write_row(
     void* out,
