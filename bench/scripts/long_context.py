@@ -5,8 +5,8 @@ and KV setting (float, `--kv-bits` 8 / 4), the same prompts are decoded
 plainly and at each MTP depth, interleaved per round; medians of the rounds
 of decode-only tokens/s (prefill excluded: `r.decode_s`), MTP / plain, the
 KV bytes per stream and the memory floor of a plain step (weights plus
-every stream's KV, at the measured read bandwidth). Prefill tokens/s of the
-longest prompt is reported with the GFLOP/s it reaches.
+every stream's KV, at the measured read bandwidth: `plain/floor`). Prefill
+tokens/s of each prompt length is reported too.
 
 Run: python bench/scripts/long_context.py [--model DIR] [--contexts 64,1000,3000] [--batch 1,4]
      [--kv float,8,4] [--depths 1,3] [--new 32] [--rounds 3] [--json OUT]
@@ -57,6 +57,9 @@ def main() -> None:
     kvs = [None if k == "float" else int(k) for k in args.kv.split(",")]
     depths = [0] + [int(d) for d in args.depths.split(",")]
     per_token = {kv: kv_bytes_per_token(rt, kv) for kv in kvs}
+    floor = benchmark.streaming_floor(rt)
+    bw = floor["read_bandwidth"]
+    print(f"weights {floor['weight_bytes'] / 1e9:.2f} GB, read bandwidth {bw / 1e9:.1f} GB/s")
     print("KV bytes per token: " + ", ".join(f"{kv or 'float'}: {b:.0f} ({b / per_token[kvs[0]]:.3f}x)" for kv, b in per_token.items()))
     rows = []
     print(f"model {args.model}; {args.new} new tokens; medians of {args.rounds} rounds; decode tokens/s")
@@ -75,14 +78,18 @@ def main() -> None:
                             prefill.append(B * ctx / pre)
                 med = {d: statistics.median(t for t, _ in res[d]) for d in depths}
                 acc = {d: statistics.median(a for _, a in res[d]) for d in depths}
-                row = {"context": ctx, "batch": B, "kv_bits": kv, "kv_bytes_per_token": per_token[kv], "plain": med[0],
+                # A plain step streams the weights and every stream's KV once.
+                floor_s = (floor["weight_bytes"] + B * ctx * per_token[kv]) / bw
+                row = {"context": ctx, "batch": B, "kv_bits": kv, "kv_bytes_per_token": per_token[kv],
+                       "plain_floor_tok_s": B / floor_s, "plain": med[0],
                        **{f"depth{d}": med[d] for d in depths if d}, **{f"acc{d}": acc[d] for d in depths if d},
                        "prefill_tok_s": statistics.median(prefill)}
                 rows.append(row)
                 best = max((med[d], d) for d in depths if d)
                 print(f"ctx {ctx:5d} B {B} kv {str(kv or 'f32'):>3}: plain {med[0]:7.1f}  "
                       + "  ".join(f"d{d} {med[d]:7.1f} ({med[d] / med[0]:.2f}x, acc {acc[d]:.2f})" for d in depths if d)
-                      + f"  best {best[0] / med[0]:.2f}x  prefill {row['prefill_tok_s']:.0f} tok/s", flush=True)
+                      + f"  best {best[0] / med[0]:.2f}x  plain/floor {med[0] * floor_s / B:.2f}"
+                      + f"  prefill {row['prefill_tok_s']:.0f} tok/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python bench/scripts/long_context.py " + " ".join(

@@ -164,24 +164,20 @@ void attention_cpu(
   src.Dp = G.Dp;
   src.Dvp = G.Dvp;
   const MaskView mv(mask);
-  // Kept between calls on this (the stream's) thread; the pool's threads
-  // reach it through this pointer (a thread_local named in the lambdas would
-  // be their own).
-  thread_local AttentionPlan kept;
-  AttentionPlan& plan = kept;
-  if (src.dtype == mx::float32) {
-    plan_attention<F32>(G, qv, mv, kind, scale, plan);
-  } else if (src.dtype == mx::float16) {
-    plan_attention<F16>(G, qv, mv, kind, scale, plan);
-  } else {
-    plan_attention<BF16>(G, qv, mv, kind, scale, plan);
-  }
   void* o = out.data<void>();
-  execute_attention(
+  run_attention(
+      src.dtype,
       G,
-      plan,
-      [&](int u) { unit_cpu(G, plan, src, mv, kind, u); },
-      [&](int j) { merge_cpu(src.dtype, G, plan, o, j); });
+      qv,
+      mv,
+      kind,
+      scale,
+      [&](const Geometry& Gc, AttentionPlan& plan, int u) {
+        unit_cpu(Gc, plan, src, mv, kind, u);
+      },
+      [&](const Geometry& Gc, AttentionPlan& plan, int j) {
+        merge_cpu(src.dtype, Gc, plan, o, j);
+      });
 }
 
 } // namespace

@@ -35,6 +35,7 @@ constexpr float lowest_of() {
 struct Geometry {
   int B, Hq, T, D, Hkv, S, Dv, n_rep;
   int Dp, Dvp, Sp;
+  int t0, Tr; // the query positions [t0, t0 + Tr) a pass covers
 };
 
 // A mask input: bool or bits of the attention dtype, broadcast strides (0 on
@@ -67,7 +68,7 @@ struct RowAt {
 };
 
 MTPLX_FUSED_INLINE RowAt row_at(const Geometry& G, int g, int i) {
-  return {g * G.n_rep + i % G.n_rep, i / G.n_rep};
+  return {g * G.n_rep + i % G.n_rep, G.t0 + i / G.n_rep};
 }
 
 // The visible key span [first, last) of every row of a job. `blind` rows
@@ -75,6 +76,7 @@ MTPLX_FUSED_INLINE RowAt row_at(const Geometry& G, int g, int i) {
 struct Spans {
   std::vector<int> first, last;
   std::vector<char> blind;
+  std::vector<char> dense; // a bool mask keeps every key of the span
   int lo = 0, hi = 0; // the union of the spans
 };
 
@@ -92,6 +94,7 @@ inline void spans_of(
   sp.first.assign(rows, 0);
   sp.last.assign(rows, G.S);
   sp.blind.assign(rows, 0);
+  sp.dense.assign(rows, 0);
   for (int i = 0; i < rows; ++i) {
     const RowAt at = row_at(G, g, i);
     if (i % G.n_rep != 0 && kind == AttentionMask::kArray && mask.st[1] == 0) {
@@ -100,6 +103,7 @@ inline void spans_of(
       sp.first[i] = sp.first[same];
       sp.last[i] = sp.last[same];
       sp.blind[i] = sp.blind[same];
+      sp.dense[i] = sp.dense[same];
       continue;
     }
     if (kind == AttentionMask::kCausal) {
@@ -123,6 +127,11 @@ inline void spans_of(
       if (lo < hi) {
         sp.first[i] = lo;
         sp.last[i] = hi;
+        int s = lo;
+        while (s < hi && m[s * st]) {
+          ++s;
+        }
+        sp.dense[i] = s == hi;
       } else {
         sp.blind[i] = 1;
       }
@@ -165,7 +174,16 @@ MTPLX_FUSED_INLINE float segment_softmax(
   } else if (kind == AttentionMask::kArray) {
     const int64_t off = mask.offset(bi, at.head, at.pos);
     const int64_t st = mask.st[3];
-    if (mask.is_bool) {
+    if (mask.is_bool && sp.dense[i]) {
+      // The mask keeps exactly the span: 8 lanes at a time.
+      const vi8 iota = vi8{0, 1, 2, 3, 4, 5, 6, 7};
+      const vf8 low = vf8{} + lowest;
+      for (int j = 0; j < n; j += kLanes) {
+        const vi8 s = iota + (a + j);
+        const vi8 keep = (s >= first) & (s < last);
+        store8(sr + j, keep ? load8(sr + j) : low);
+      }
+    } else if (mask.is_bool) {
       const bool* m = static_cast<const bool*>(mask.data) + off;
       for (int j = 0; j < n; ++j) {
         const int s = a + j;

@@ -191,7 +191,7 @@ MTPLX_FUSED_INLINE void load_queries(
     int g,
     std::vector<float>& q) {
   using bits_t = typename S::bits_t;
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   q.assign(size_t(rows) * G.Dp, 0.0f);
   for (int i = 0; i < rows; ++i) {
     const RowAt at = row_at(G, g, i);
@@ -222,7 +222,7 @@ MTPLX_FUSED_INLINE void attend_unit(
     int b,
     float* part) {
   thread_local UnitScratch sc;
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   const int n = b - a; // a multiple of 8 but at the end of S
   const int n8 = round_up_lanes(n);
   const Spans& sp = plan.spans;
@@ -278,7 +278,7 @@ MTPLX_FUSED_INLINE void merge_job(
     void* out,
     int bi,
     int g) {
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   const int pw = partial_width(G);
   const int64_t unit_stride = int64_t(rows) * pw;
   thread_local std::vector<float> acc;
@@ -332,7 +332,7 @@ MTPLX_FUSED_INLINE void plan_attention(
     float scale,
     AttentionPlan& plan) {
   const int jobs = G.B * G.Hkv;
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   plan.jobs.assign(jobs, JobPlan{});
   plan.queries.resize(jobs);
   for (int j = 0; j < jobs; ++j) {
@@ -376,7 +376,7 @@ MTPLX_FUSED_INLINE void run_unit(
   const int seg = p.seg0 + (u - p.unit0);
   const int a = std::max(seg * kSegment, p.spans.lo);
   const int e = std::min((seg + 1) * kSegment, p.spans.hi);
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   attend_unit<S>(
       G, src, mask, kind, p, plan.queries[j].data(), j / G.Hkv, j % G.Hkv, a,
       e, plan.parts.data() + size_t(u) * rows * partial_width(G));
@@ -399,7 +399,7 @@ void execute_attention(
     const AttentionPlan& plan,
     Unit&& unit,
     Merge&& merge) {
-  const int rows = G.n_rep * G.T;
+  const int rows = G.n_rep * G.Tr;
   const double cost = double(plan.units) * kSegment * rows * (G.D + G.Dv) *
       kAttentionNsPerElement;
   int threads = 1;
@@ -417,6 +417,62 @@ void execute_attention(
   parallel_for(jobs, merge_threads, merge, merge_cost);
 }
 
+// Runs a call in chunks of query positions whose partials fit in about
+// kPartialBytes (a prefill's thousands of positions; a decode step is one
+// chunk): plan(Gc) then execute(Gc) for each chunk's geometry Gc.
+constexpr double kPartialBytes = 32.0 * (1 << 20);
+
+template <class Plan, class Execute>
+void in_position_chunks(const Geometry& G, Plan&& plan, Execute&& execute) {
+  const double per_position = double(G.B) * G.Hkv *
+      ((G.S + kSegment - 1) / kSegment) * G.n_rep * (G.Dvp + 3) * 4.0;
+  const int chunk =
+      std::max(1, std::min(G.T, int(kPartialBytes / per_position)));
+  for (int t0 = 0; t0 < G.T; t0 += chunk) {
+    Geometry Gc = G;
+    Gc.t0 = t0;
+    Gc.Tr = std::min(chunk, G.T - t0);
+    plan(Gc);
+    execute(Gc);
+  }
+}
+
+// A whole call: plans and runs each chunk of positions. unit(Gc, plan, u)
+// and merge(Gc, plan, j) call the kernel file's clones of run_unit /
+// run_merge. The plan is kept per calling thread (the stream's); the pool's
+// threads reach it by reference.
+template <class Unit, class Merge>
+void run_attention(
+    mx::Dtype dtype,
+    const Geometry& G,
+    const QueryView& qv,
+    const MaskView& mask,
+    AttentionMask kind,
+    float scale,
+    Unit&& unit,
+    Merge&& merge) {
+  thread_local AttentionPlan kept;
+  AttentionPlan& plan = kept;
+  in_position_chunks(
+      G,
+      [&](const Geometry& Gc) {
+        if (dtype == mx::float32) {
+          plan_attention<F32>(Gc, qv, mask, kind, scale, plan);
+        } else if (dtype == mx::float16) {
+          plan_attention<F16>(Gc, qv, mask, kind, scale, plan);
+        } else {
+          plan_attention<BF16>(Gc, qv, mask, kind, scale, plan);
+        }
+      },
+      [&](const Geometry& Gc) {
+        execute_attention(
+            Gc,
+            plan,
+            [&](int u) { unit(Gc, plan, u); },
+            [&](int j) { merge(Gc, plan, j); });
+      });
+}
+
 // The geometry of q [B, Hq, T, D] against Hkv kv heads of S slots, values
 // Dv wide.
 inline Geometry geometry_of(const mx::array& q, int Hkv, int S, int Dv) {
@@ -424,6 +480,8 @@ inline Geometry geometry_of(const mx::array& q, int Hkv, int S, int Dv) {
   G.B = q.shape(0);
   G.Hq = q.shape(1);
   G.T = q.shape(2);
+  G.t0 = 0;
+  G.Tr = G.T;
   G.D = q.shape(3);
   G.Hkv = Hkv;
   G.S = S;

@@ -266,24 +266,20 @@ void qattention_cpu(
   src.Dvp = G.Dvp;
   const MaskView mv(in.size() > 7 ? &in[7] : nullptr);
   const mx::Dtype dtype = q.dtype();
-  // Kept between calls on this (the stream's) thread; the pool's threads
-  // reach it through this pointer (a thread_local named in the lambdas would
-  // be their own).
-  thread_local AttentionPlan kept;
-  AttentionPlan& plan = kept;
-  if (dtype == mx::float32) {
-    plan_attention<F32>(G, qv, mv, kind, scale, plan);
-  } else if (dtype == mx::float16) {
-    plan_attention<F16>(G, qv, mv, kind, scale, plan);
-  } else {
-    plan_attention<BF16>(G, qv, mv, kind, scale, plan);
-  }
   void* o = out.data<void>();
-  execute_attention(
+  run_attention(
+      dtype,
       G,
-      plan,
-      [&](int u) { qunit_cpu(dtype, G, plan, src, mv, kind, u); },
-      [&](int j) { qmerge_cpu(dtype, G, plan, o, j); });
+      qv,
+      mv,
+      kind,
+      scale,
+      [&](const Geometry& Gc, AttentionPlan& plan, int u) {
+        qunit_cpu(dtype, Gc, plan, src, mv, kind, u);
+      },
+      [&](const Geometry& Gc, AttentionPlan& plan, int j) {
+        qmerge_cpu(dtype, Gc, plan, o, j);
+      });
 }
 
 } // namespace
