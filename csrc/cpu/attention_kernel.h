@@ -46,7 +46,7 @@
 namespace mtplx::cpu {
 
 constexpr int kSegment = 256; // keys per unit of work (a multiple of 8)
-constexpr int kRowBlock = 8; // rows whose accumulators stay in registers
+constexpr int kRowBlock = 6; // rows whose accumulators stay in registers
 
 // Rough single-thread cost of one query row against one key per element of
 // D + Dv, in nanoseconds, and the least work worth a second thread.
@@ -125,7 +125,30 @@ MTPLX_FUSED_INLINE void add_values(
     int64_t v_row,
     int n,
     float* acc) {
-  for (int c = 0; c < G.Dvp; c += kLanes) {
+  int c = 0;
+  // Two vectors of columns at a time where they fit in registers (each
+  // probability broadcast once per pair): 2 R accumulators, R <= 6.
+  for (; c + 2 * kLanes <= G.Dvp; c += 2 * kLanes) {
+    vf8 a[R], b[R];
+    for (int r = 0; r < R; ++r) {
+      a[r] = load8(acc + int64_t(r) * G.Dvp + c);
+      b[r] = load8(acc + int64_t(r) * G.Dvp + c + kLanes);
+    }
+    for (int i = 0; i < n; ++i) {
+      const vf8 va = load8(vals + i * v_row + c);
+      const vf8 vb = load8(vals + i * v_row + c + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float w = p[int64_t(r) * p_stride + i];
+        a[r] += w * va;
+        b[r] += w * vb;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(acc + int64_t(r) * G.Dvp + c, a[r]);
+      store8(acc + int64_t(r) * G.Dvp + c + kLanes, b[r]);
+    }
+  }
+  for (; c < G.Dvp; c += kLanes) {
     vf8 a[R];
     for (int r = 0; r < R; ++r) {
       a[r] = load8(acc + int64_t(r) * G.Dvp + c);
@@ -167,14 +190,8 @@ MTPLX_FUSED_INLINE void for_row_blocks(int rows, F&& f) {
       case 5:
         f.template operator()<5>(row0);
         break;
-      case 6:
-        f.template operator()<6>(row0);
-        break;
-      case 7:
-        f.template operator()<7>(row0);
-        break;
       default:
-        f.template operator()<8>(row0);
+        f.template operator()<kRowBlock>(row0);
         break;
     }
     row0 += r;
@@ -234,6 +251,16 @@ MTPLX_FUSED_INLINE void attend_unit(
   // Scores, a tile of 8 keys at a time (lanes past the segment repeat its
   // last key; segment_softmax gives them weight 0).
   for (int t = 0; t < n8; t += kLanes) {
+    // The key and value rows two tiles on, for the scores now and the
+    // weighted sum of values after (a segment's rows are read once each).
+    for (int j = t + 2 * kLanes; j < std::min(t + 3 * kLanes, n); ++j) {
+      for (int c = 0; c < G.Dp; c += 16) {
+        __builtin_prefetch(K + int64_t(j) * k_row + c);
+      }
+      for (int c = 0; c < G.Dvp; c += 16) {
+        __builtin_prefetch(V + int64_t(j) * v_row + c);
+      }
+    }
     const float* krows[kLanes];
     for (int j = 0; j < kLanes; ++j) {
       krows[j] = K + int64_t(t + std::min(j, n - 1 - t)) * k_row;
