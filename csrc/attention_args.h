@@ -11,6 +11,18 @@
 
 namespace mtplx {
 
+// keys with Hkv heads dividing the queries' Hq and at least one position.
+inline void check_kv_heads(int Hq, int Hkv, int S) {
+  if (Hkv < 1 || Hq % Hkv != 0) {
+    bad_arg(
+        "keys must have a number of heads dividing the queries' " +
+        std::to_string(Hq) + ", got " + std::to_string(Hkv));
+  }
+  if (S < 1) {
+    bad_arg("keys must hold at least one position, got S = 0");
+  }
+}
+
 // mask_mode "" (then `mask` may hold an array) or "causal" (no array). An
 // array must broadcast to [B, Hq, T, S] and be bool or of a dtype that
 // promotes to `final_type`. Returns the kind and the array (if any).

@@ -313,14 +313,7 @@ mx::array scaled_dot_product_attention(
         ", " + std::to_string(Hkv) + ", " + std::to_string(S) +
         ", Dv) to match keys, got " + shape_str(values.shape()));
   }
-  if (Hkv < 1 || Hq % Hkv != 0) {
-    bad_arg(
-        "keys must have a number of heads dividing the queries' " +
-        std::to_string(Hq) + ", got " + std::to_string(Hkv));
-  }
-  if (S < 1) {
-    bad_arg("keys must hold at least one position, got S = 0");
-  }
+  check_kv_heads(Hq, Hkv, S);
   if (!std::isfinite(scale)) {
     bad_arg("scale must be finite, got " + num_str(scale));
   }

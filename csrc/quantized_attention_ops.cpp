@@ -103,14 +103,7 @@ mx::array quantized_scaled_dot_product_attention(
         shape_str(keys.packed.shape()));
   }
   const int Hkv = keys.packed.shape(1), S = keys.packed.shape(2);
-  if (Hkv < 1 || Hq % Hkv != 0) {
-    bad_arg(
-        "keys must have a number of heads dividing the queries' " +
-        std::to_string(Hq) + ", got " + std::to_string(Hkv));
-  }
-  if (S < 1) {
-    bad_arg("keys must hold at least one position, got S = 0");
-  }
+  check_kv_heads(Hq, Hkv, S);
   const int Dk = check_packed("keys", keys, B, Hkv, S, bits, group_size);
   if (Dk != D) {
     bad_arg(

@@ -93,18 +93,13 @@ struct FloatSource {
       int64_t& k_row,
       const float*& V,
       int64_t& v_row) const {
-    if (dtype == mx::float32) {
-      rows_as<F32>(b, g, a, e, sc, K, k_row, V, v_row);
-    } else if (dtype == mx::float16) {
-      rows_as<F16>(b, g, a, e, sc, K, k_row, V, v_row);
-    } else {
-      rows_as<BF16>(b, g, a, e, sc, K, k_row, V, v_row);
-    }
+    with_float_dtype(dtype, [&]<class S>() __attribute__((always_inline)) {
+      rows_as<S>(b, g, a, e, sc, K, k_row, V, v_row);
+    });
   }
 };
 
-// One unit and one merge of a planned call, compiled for x86-64-v3 where
-// the CPU has it.
+// One unit of a planned call, compiled for x86-64-v3 where the CPU has it.
 MTPLX_ATTENTION_CLONES void unit_cpu(
     const Geometry& G,
     AttentionPlan& plan,
@@ -112,28 +107,9 @@ MTPLX_ATTENTION_CLONES void unit_cpu(
     const MaskView& mask,
     AttentionMask kind,
     int u) {
-  if (src.dtype == mx::float32) {
-    run_unit<F32>(G, plan, src, mask, kind, u);
-  } else if (src.dtype == mx::float16) {
-    run_unit<F16>(G, plan, src, mask, kind, u);
-  } else {
-    run_unit<BF16>(G, plan, src, mask, kind, u);
-  }
-}
-
-MTPLX_ATTENTION_CLONES void merge_cpu(
-    mx::Dtype dtype,
-    const Geometry& G,
-    const AttentionPlan& plan,
-    void* out,
-    int j) {
-  if (dtype == mx::float32) {
-    run_merge<F32>(G, plan, out, j);
-  } else if (dtype == mx::float16) {
-    run_merge<F16>(G, plan, out, j);
-  } else {
-    run_merge<BF16>(G, plan, out, j);
-  }
+  with_float_dtype(src.dtype, [&]<class S>() __attribute__((always_inline)) {
+    run_unit<S>(G, plan, src, mask, kind, u);
+  });
 }
 
 void attention_cpu(
@@ -181,6 +157,21 @@ void attention_cpu(
 }
 
 } // namespace
+
+namespace cpu {
+
+MTPLX_ATTENTION_CLONES void merge_cpu(
+    mx::Dtype dtype,
+    const Geometry& G,
+    const AttentionPlan& plan,
+    void* out,
+    int j) {
+  with_float_dtype(dtype, [&]<class S>() __attribute__((always_inline)) {
+    run_merge<S>(G, plan, out, j);
+  });
+}
+
+} // namespace cpu
 
 void FusedAttention::eval_cpu(
     const std::vector<mx::array>& inputs,

@@ -464,6 +464,15 @@ void in_position_chunks(const Geometry& G, Plan&& plan, Execute&& execute) {
   }
 }
 
+// The merges of a planned call (cpu/attention.cpp, an x86-64-v3 clone):
+// job j's rows of `out` in dtype's storage.
+void merge_cpu(
+    mx::Dtype dtype,
+    const Geometry& G,
+    const AttentionPlan& plan,
+    void* out,
+    int j);
+
 // A whole call: plans and runs each chunk of positions. unit(Gc, plan, u)
 // and merge(Gc, plan, j) call the kernel file's clones of run_unit /
 // run_merge. The plan is kept per calling thread (the stream's); the pool's
@@ -483,13 +492,9 @@ void run_attention(
   in_position_chunks(
       G,
       [&](const Geometry& Gc) {
-        if (dtype == mx::float32) {
-          plan_attention<F32>(Gc, qv, mask, kind, scale, plan);
-        } else if (dtype == mx::float16) {
-          plan_attention<F16>(Gc, qv, mask, kind, scale, plan);
-        } else {
-          plan_attention<BF16>(Gc, qv, mask, kind, scale, plan);
-        }
+        with_float_dtype(dtype, [&]<class S>() {
+          plan_attention<S>(Gc, qv, mask, kind, scale, plan);
+        });
       },
       [&](const Geometry& Gc) {
         execute_attention(

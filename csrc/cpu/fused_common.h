@@ -169,6 +169,20 @@ struct BF16 {
   }
 };
 
+// Calls f.template operator()<S>() with S the storage type of `dtype`
+// (float32, float16, else bfloat16). Give f __attribute__((always_inline))
+// where the caller is a target clone, so the work compiles for its target.
+template <class F>
+MTPLX_FUSED_INLINE void with_float_dtype(mx::Dtype dtype, F&& f) {
+  if (dtype == mx::float32) {
+    f.template operator()<F32>();
+  } else if (dtype == mx::float16) {
+    f.template operator()<F16>();
+  } else {
+    f.template operator()<BF16>();
+  }
+}
+
 // Widens n elements spaced `stride` apart into dst (float32).
 template <class S>
 MTPLX_FUSED_INLINE void

@@ -151,13 +151,9 @@ MTPLX_FUSED_INLINE void dequant_segment(
     int group_size,
     int padded,
     float* dst) {
-  if (pk.sdtype == mx::float32) {
-    dequant_rows_as<F32>(pk, b, g, a, e, bits, group_size, padded, dst);
-  } else if (pk.sdtype == mx::float16) {
-    dequant_rows_as<F16>(pk, b, g, a, e, bits, group_size, padded, dst);
-  } else {
-    dequant_rows_as<BF16>(pk, b, g, a, e, bits, group_size, padded, dst);
-  }
+  with_float_dtype(pk.sdtype, [&]<class SS>() __attribute__((always_inline)) {
+    dequant_rows_as<SS>(pk, b, g, a, e, bits, group_size, padded, dst);
+  });
 }
 
 // Keys and values quantized: rows are dequantized per segment into the
@@ -196,28 +192,9 @@ MTPLX_ATTENTION_CLONES void qunit_cpu(
     const MaskView& mask,
     AttentionMask kind,
     int u) {
-  if (dtype == mx::float32) {
-    run_unit<F32>(G, plan, src, mask, kind, u);
-  } else if (dtype == mx::float16) {
-    run_unit<F16>(G, plan, src, mask, kind, u);
-  } else {
-    run_unit<BF16>(G, plan, src, mask, kind, u);
-  }
-}
-
-MTPLX_ATTENTION_CLONES void qmerge_cpu(
-    mx::Dtype dtype,
-    const Geometry& G,
-    const AttentionPlan& plan,
-    void* out,
-    int j) {
-  if (dtype == mx::float32) {
-    run_merge<F32>(G, plan, out, j);
-  } else if (dtype == mx::float16) {
-    run_merge<F16>(G, plan, out, j);
-  } else {
-    run_merge<BF16>(G, plan, out, j);
-  }
+  with_float_dtype(dtype, [&]<class S>() __attribute__((always_inline)) {
+    run_unit<S>(G, plan, src, mask, kind, u);
+  });
 }
 
 Packed packed_of(
@@ -278,7 +255,7 @@ void qattention_cpu(
         qunit_cpu(dtype, Gc, plan, src, mv, kind, u);
       },
       [&](const Geometry& Gc, AttentionPlan& plan, int j) {
-        qmerge_cpu(dtype, Gc, plan, o, j);
+        merge_cpu(dtype, Gc, plan, o, j);
       });
 }
 

@@ -37,6 +37,15 @@ def _require_float(name: str, value: object) -> mx.array:
     return a
 
 
+def _check_mask(mask: object) -> None:
+    """An attention mask argument: None, "causal" or an mx.array."""
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f'mask must be None, "causal" or an mx.array, got {mask!r}')
+    elif mask is not None and not isinstance(mask, mx.array):
+        raise TypeError(f'mask must be None, "causal" or an mx.array, got {type(mask).__name__}')
+
+
 def _require_number(name: str, value: object) -> float:
     # NumPy scalars too (np.float32 is no Python float); bools are no numbers.
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -170,11 +179,7 @@ def scaled_dot_product_attention(
     keys = _require_float("keys", keys)
     values = _require_float("values", values)
     scale = _require_number("scale", scale)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f'mask must be None, "causal" or an mx.array, got {mask!r}')
-    elif mask is not None and not isinstance(mask, mx.array):
-        raise TypeError(f'mask must be None, "causal" or an mx.array, got {type(mask).__name__}')
+    _check_mask(mask)
     return _ext.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask, stream=stream
     )
@@ -230,11 +235,7 @@ def quantized_scaled_dot_product_attention(
     scale = _require_number("scale", scale)
     bits = as_int("bits", bits)
     group_size = as_int("group_size", group_size)
-    if isinstance(mask, str):
-        if mask != "causal":
-            raise ValueError(f'mask must be None, "causal" or an mx.array, got {mask!r}')
-    elif mask is not None and not isinstance(mask, mx.array):
-        raise TypeError(f'mask must be None, "causal" or an mx.array, got {type(mask).__name__}')
+    _check_mask(mask)
     return _ext.quantized_scaled_dot_product_attention(
         queries, k, v, scale=scale, bits=bits, group_size=group_size, mask=mask, stream=stream
     )
