@@ -37,30 +37,27 @@ struct FloatSource {
   int64_t vs[4];
   int D, Dv, Dp, Dvp;
 
-  // Rows [a, e) of (b, g) as float32 rows `padded` wide: the array itself
+  // The segment's rows as float32 rows `padded` wide: the array itself
   // where it already is that, else a widened copy in `buf` (zero padded).
   template <class S>
   static const float* rows_of(
       const void* data,
       const int64_t* st,
-      int b,
-      int g,
-      int a,
-      int e,
+      const SegmentAt& at,
       int width,
       int padded,
       std::vector<float>& buf,
       int64_t& row) {
     using bits_t = typename S::bits_t;
     const bits_t* base =
-        static_cast<const bits_t*>(data) + b * st[0] + g * st[1];
+        static_cast<const bits_t*>(data) + at.b * st[0] + at.g * st[1];
     if (std::is_same_v<S, F32> && st[3] == 1 && width == padded) {
       row = st[2];
-      return reinterpret_cast<const float*>(base + a * st[2]);
+      return reinterpret_cast<const float*>(base + at.a * st[2]);
     }
-    buf.resize(size_t(e - a) * padded);
-    for (int s = a; s < e; ++s) {
-      float* dst = buf.data() + int64_t(s - a) * padded;
+    buf.resize(size_t(at.e - at.a) * padded);
+    for (int s = at.a; s < at.e; ++s) {
+      float* dst = buf.data() + int64_t(s - at.a) * padded;
       load_row<S>(base + s * st[2], st[3], width, dst);
       std::fill(dst + width, dst + padded, 0.0f);
     }
@@ -68,34 +65,13 @@ struct FloatSource {
     return buf.data();
   }
 
-  template <class S>
-  void rows_as(
-      int b,
-      int g,
-      int a,
-      int e,
-      UnitScratch& sc,
-      const float*& K,
-      int64_t& k_row,
-      const float*& V,
-      int64_t& v_row) const {
-    K = rows_of<S>(k, ks, b, g, a, e, D, Dp, sc.kbuf, k_row);
-    V = rows_of<S>(v, vs, b, g, a, e, Dv, Dvp, sc.vbuf, v_row);
-  }
-
-  void rows(
-      int b,
-      int g,
-      int a,
-      int e,
-      UnitScratch& sc,
-      const float*& K,
-      int64_t& k_row,
-      const float*& V,
-      int64_t& v_row) const {
+  KVRows rows(const SegmentAt& at, UnitScratch& sc) const {
+    KVRows r;
     with_float_dtype(dtype, [&]<class S>() __attribute__((always_inline)) {
-      rows_as<S>(b, g, a, e, sc, K, k_row, V, v_row);
+      r.K = rows_of<S>(k, ks, at, D, Dp, sc.kbuf, r.k_row);
+      r.V = rows_of<S>(v, vs, at, Dv, Dvp, sc.vbuf, r.v_row);
     });
+    return r;
   }
 };
 

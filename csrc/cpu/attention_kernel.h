@@ -59,6 +59,20 @@ struct QueryView {
   int64_t qs[4];
 };
 
+// The keys [a, e) of batch entry b, kv head g: what a unit reads.
+struct SegmentAt {
+  int b, g, a, e;
+};
+
+// A segment's key and value rows as float32 (Dp / Dvp wide, rows k_row /
+// v_row floats apart), as a source gives them.
+struct KVRows {
+  const float* K;
+  int64_t k_row;
+  const float* V;
+  int64_t v_row;
+};
+
 // Per-unit scratch, kept per thread between calls.
 struct UnitScratch {
   std::vector<float> kbuf, vbuf; // the segment's key / value rows (if copied)
@@ -224,7 +238,7 @@ MTPLX_FUSED_INLINE void load_queries(
 
 // One unit: keys [a, b) of job (bi, g) for every row of the job, its
 // partials written to `part` (rows x partial_width). `Src` gives the float
-// rows of keys and values: src.rows(bi, g, a, b, sc, K, k_row, V, v_row).
+// rows of keys and values: src.rows(SegmentAt, scratch) -> KVRows.
 template <class S, class Src>
 MTPLX_FUSED_INLINE void attend_unit(
     const Geometry& G,
@@ -243,10 +257,7 @@ MTPLX_FUSED_INLINE void attend_unit(
   const int n = b - a; // a multiple of 8 but at the end of S
   const int n8 = round_up_lanes(n);
   const Spans& sp = plan.spans;
-  const float* K;
-  const float* V;
-  int64_t k_row, v_row;
-  src.rows(bi, g, a, b, sc, K, k_row, V, v_row);
+  const auto [K, k_row, V, v_row] = src.rows(SegmentAt{bi, g, a, b}, sc);
   sc.scores.resize(size_t(rows) * kSegment);
   // Scores, a tile of 8 keys at a time (lanes past the segment repeat its
   // last key; segment_softmax gives them weight 0).

@@ -71,14 +71,12 @@ MTPLX_FUSED_INLINE vf8 unpack8(const uint8_t* bytes) {
 template <class SS, int BITS>
 MTPLX_FUSED_INLINE void dequant_rows(
     const Packed& pk,
-    int b,
-    int g,
-    int a,
-    int e,
+    const SegmentAt& at,
     int bits,
     int group_size,
     int padded,
     float* dst) {
+  const int b = at.b, g = at.g;
   using sbits_t = typename SS::bits_t;
   const int words = pk.width * bits / 32;
   const int nbytes = words * 4;
@@ -87,7 +85,7 @@ MTPLX_FUSED_INLINE void dequant_rows(
   local.resize(words);
   const sbits_t* sp = static_cast<const sbits_t*>(pk.s) + b * pk.ss[0] + g * pk.ss[1];
   const sbits_t* bp = static_cast<const sbits_t*>(pk.b) + b * pk.bs[0] + g * pk.bs[1];
-  for (int s = a; s < e; ++s, dst += padded) {
+  for (int s = at.a; s < at.e; ++s, dst += padded) {
     const uint32_t* w = pk.w + b * pk.ws[0] + g * pk.ws[1] + s * pk.ws[2];
     if (pk.ws[3] != 1) {
       for (int j = 0; j < words; ++j) {
@@ -121,38 +119,22 @@ MTPLX_FUSED_INLINE void dequant_rows(
   }
 }
 
-template <class SS>
-MTPLX_FUSED_INLINE void dequant_rows_as(
-    const Packed& pk,
-    int b,
-    int g,
-    int a,
-    int e,
-    int bits,
-    int group_size,
-    int padded,
-    float* dst) {
-  if (bits == 8) {
-    dequant_rows<SS, 8>(pk, b, g, a, e, bits, group_size, padded, dst);
-  } else if (bits == 4) {
-    dequant_rows<SS, 4>(pk, b, g, a, e, bits, group_size, padded, dst);
-  } else {
-    dequant_rows<SS, 0>(pk, b, g, a, e, bits, group_size, padded, dst);
-  }
-}
-
+// The segment's rows of `pk` dequantized into dst, rows `padded` apart.
 MTPLX_FUSED_INLINE void dequant_segment(
     const Packed& pk,
-    int b,
-    int g,
-    int a,
-    int e,
+    const SegmentAt& at,
     int bits,
     int group_size,
     int padded,
     float* dst) {
   with_float_dtype(pk.sdtype, [&]<class SS>() __attribute__((always_inline)) {
-    dequant_rows_as<SS>(pk, b, g, a, e, bits, group_size, padded, dst);
+    if (bits == 8) {
+      dequant_rows<SS, 8>(pk, at, bits, group_size, padded, dst);
+    } else if (bits == 4) {
+      dequant_rows<SS, 4>(pk, at, bits, group_size, padded, dst);
+    } else {
+      dequant_rows<SS, 0>(pk, at, bits, group_size, padded, dst);
+    }
   });
 }
 
@@ -163,24 +145,13 @@ struct QuantSource {
   int bits, group_size;
   int Dp, Dvp;
 
-  MTPLX_FUSED_INLINE void rows(
-      int b,
-      int g,
-      int a,
-      int e,
-      UnitScratch& sc,
-      const float*& K,
-      int64_t& k_row,
-      const float*& V,
-      int64_t& v_row) const {
-    sc.kbuf.resize(size_t(e - a) * Dp);
-    sc.vbuf.resize(size_t(e - a) * Dvp);
-    dequant_segment(k, b, g, a, e, bits, group_size, Dp, sc.kbuf.data());
-    dequant_segment(v, b, g, a, e, bits, group_size, Dvp, sc.vbuf.data());
-    K = sc.kbuf.data();
-    V = sc.vbuf.data();
-    k_row = Dp;
-    v_row = Dvp;
+  MTPLX_FUSED_INLINE KVRows rows(const SegmentAt& at, UnitScratch& sc) const {
+    const int n = at.e - at.a;
+    sc.kbuf.resize(size_t(n) * Dp);
+    sc.vbuf.resize(size_t(n) * Dvp);
+    dequant_segment(k, at, bits, group_size, Dp, sc.kbuf.data());
+    dequant_segment(v, at, bits, group_size, Dvp, sc.vbuf.data());
+    return {sc.kbuf.data(), Dp, sc.vbuf.data(), Dvp};
   }
 };
 
