@@ -1,6 +1,17 @@
-import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 import os
 import sys
+import tempfile
+
+# Each worker process of a parallel run (pytest-xdist) gets a temp directory
+# of its own before anything compiles: MLX's CPU backend keeps the kernels it
+# compiles under <tmp>/mlx/, and tests that count the kernels a decode builds
+# must see their own process's only. Subprocesses inherit it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _own_tmp = os.path.join(tempfile.gettempdir(), "mtplx-tests-" + os.environ["PYTEST_XDIST_WORKER"])
+    os.makedirs(_own_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = tempfile.tempdir = _own_tmp
+
+import mtplx_ext  # noqa: E402, F401  (before mlx.core: loads the fast BLAS)
 
 # Helpers shared by test modules (tests/_*.py) import as plain modules, and
 # so does the Metal emulator tool (tests/tools/metal_shim).
