@@ -156,3 +156,22 @@ class ScriptedHead:
         want = mx.take_along_axis(self.table, normed[..., 0].astype(mx.int32), axis=1)
         V = self.rt.vocab_size
         return (mx.arange(V)[None, None] == want[..., None]).astype(normed.dtype) * 30.0
+
+
+def check_scripted_depths(rt, prompts, want, cap: int, runs: dict, rng, **kw) -> None:
+    """Greedy MTP at each depth of `runs` ({depth: head modes}) commits `want` (plain decoding's tokens).
+
+    Modes: ScriptedHead's "mixed" / "oracle" / "wrong", or "own" (the runtime's head).
+    Every oracle draft is accepted and every wrong one rejected, so both commit
+    paths run deterministically. `kw` goes to `generate_greedy_batched`.
+    """
+    heads = {mode: ScriptedHead(rt, want, prompts, mode, rng) for mode in ("mixed", "oracle", "wrong")}
+    for depth, modes in runs.items():
+        for mode in modes:
+            r = mtplx_ext.generate_greedy_batched(heads.get(mode, rt), prompts, max_new_tokens=cap, depth=depth, **kw)
+            assert [s.tokens for s in r.streams] == want, f"depth {depth}, {mode} head"
+            check_counters(r, True)
+            if mode == "oracle":
+                assert 0 < r.accepted == r.drafted
+            if mode == "wrong":
+                assert r.accepted == 0 < r.drafted

@@ -19,7 +19,7 @@ import mtplx_ext
 from mtplx_ext import SamplerConfig, generate_batched, generate_greedy_batched
 from mtplx_ext.cache import QuantizedRaggedKVCache, RaggedKVCache
 from mtplx_ext.sampling import counts_with, distribution_from_logits
-from _greedy import ScriptedHead, _prompts, _rng, check_counters
+from _greedy import _prompts, _rng, check_counters, check_scripted_depths
 from _stats import ALPHA_EXACT, g_test_pvalue
 
 
@@ -44,17 +44,8 @@ def test_greedy_mtp_equals_plain_decoding_at_the_same_kv_bits(model_type: str, k
     want = [s.tokens for s in plain.streams]
     float_kv = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=False)
     print("agreement with float KV:", np.mean([a == b for s, f in zip(want, float_kv.streams) for a, b in zip(s, f.tokens)]))
-    heads = {mode: ScriptedHead(rt, want, prompts, mode, rng) for mode in ("mixed", "oracle", "wrong")}
     runs = {1: ("mixed", "oracle", "own"), 2: ("mixed", "wrong"), 3: ("oracle", "own")}
-    for depth, modes in runs.items():
-        for mode in modes:
-            r = generate_greedy_batched(heads.get(mode, rt), prompts, max_new_tokens=cap, depth=depth, **kv)
-            assert [s.tokens for s in r.streams] == want, f"depth {depth}, {mode} head"
-            check_counters(r, True)
-            if mode == "oracle":
-                assert 0 < r.accepted == r.drafted
-            if mode == "wrong":
-                assert r.accepted == 0 < r.drafted
+    check_scripted_depths(rt, prompts, want, cap, runs, rng, **kv)
     # The eager loop (uncompiled steps) commits the same tokens.
     r = generate_greedy_batched(rt, prompts, max_new_tokens=cap, depth=2, enforce_eager=True, **kv)
     assert [s.tokens for s in r.streams] == want

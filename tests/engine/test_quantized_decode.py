@@ -20,7 +20,7 @@ import pytest
 import mtplx_ext
 from mtplx_ext import generate_greedy_batched
 from mtplx_ext.models.packed_quantized import PackedQuantizedEmbedding, PackedQuantizedLinear, unpack_cpu_quantized
-from _greedy import ScriptedHead, _prompts, _rng, check_counters
+from _greedy import _prompts, _rng, check_counters, check_scripted_depths
 
 
 def _quantized(model_type: str, seed: int, bits: int, packed: bool):
@@ -44,18 +44,8 @@ def test_greedy_mtp_equals_plain_decoding_at_the_same_bits(model_type: str, bits
     plain = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=False)
     check_counters(plain, False)
     want = [s.tokens for s in plain.streams]
-    heads = {mode: ScriptedHead(rt, want, prompts, mode, rng) for mode in ("mixed", "oracle", "wrong")}
     runs = {1: ("mixed", "oracle", "own"), 2: ("mixed", "wrong"), 3: ("mixed", "oracle"), 4: ("mixed", "wrong", "own")}
-    for depth, modes in runs.items():
-        for mode in modes:
-            r = generate_greedy_batched(heads.get(mode, rt), prompts, max_new_tokens=cap, depth=depth)
-            assert [s.tokens for s in r.streams] == want, f"depth {depth}, {mode} head"
-            check_counters(r, True)
-            # Every draft accepted, then every draft rejected: both commit paths ran, deterministically.
-            if mode == "oracle":
-                assert 0 < r.accepted == r.drafted
-            if mode == "wrong":
-                assert r.accepted == 0 < r.drafted
+    check_scripted_depths(rt, prompts, want, cap, runs, rng)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
