@@ -36,7 +36,6 @@ void bind_sampling(nb::module_& m) {
       "params"_a,
       "token_counts"_a = nb::none(),
       nb::kw_only(),
-      "variant"_a = 0,
       "stream"_a = nb::none());
 
   m.def(
@@ -49,7 +48,6 @@ void bind_sampling(nb::module_& m) {
       "params"_a,
       "token_counts"_a = nb::none(),
       nb::kw_only(),
-      "variant"_a = 0,
       "logit_bias_ids"_a = nb::none(),
       "logit_bias_values"_a = nb::none(),
       "stream"_a = nb::none());

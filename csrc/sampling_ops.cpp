@@ -77,14 +77,6 @@ void check_draft_logits(
   }
 }
 
-void check_variant(int variant, int last = 3) {
-  if (variant < 0 || variant > last) {
-    bad_arg(
-        "variant must be in [0, " + std::to_string(last) + "], got " +
-        std::to_string(variant));
-  }
-}
-
 // The primitive inputs of a sampled verification (checked arguments):
 // verify_logits, draft_logits, tokens, uniforms, params[, counts].
 std::vector<mx::array> verify_inputs(
@@ -181,7 +173,6 @@ mx::array verify_sampled(
     const mx::array& uniforms,
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
-    int variant,
     mx::StreamOrDevice s) {
   check_verify_logits(verify_logits);
   const int B = verify_logits.shape(0);
@@ -190,7 +181,6 @@ mx::array verify_sampled(
   require_shape("tokens", tokens, {B, 2}, "[B, 2]");
   require_shape("uniforms", uniforms, {B, kUniformCols}, "[B, 3]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
-  check_variant(variant);
   auto st = mx::to_stream(s);
   auto inputs = verify_inputs(
       verify_logits,
@@ -203,10 +193,7 @@ mx::array verify_sampled(
   return mx::array(
       {B, kBundleCols},
       mx::int32,
-      std::make_shared<VerifySampled>(
-          st,
-          token_counts.has_value(),
-          static_cast<SamplingVariant>(variant)),
+      std::make_shared<VerifySampled>(st, token_counts.has_value()),
       std::move(inputs));
 }
 
@@ -222,7 +209,6 @@ mx::array verify_sampled_chain(
     const mx::array& uniforms,
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
-    int variant,
     const std::optional<mx::array>& logit_bias_ids,
     const std::optional<mx::array>& logit_bias_values,
     mx::StreamOrDevice s) {
@@ -233,11 +219,7 @@ mx::array verify_sampled_chain(
   require_shape("tokens", tokens, {B, K + 1}, "[B, K + 1]");
   require_shape("uniforms", uniforms, {B, K + 2}, "[B, K + 2]");
   require_shape("params", params, {B, kParamCols}, "[B, 7]");
-  check_variant(variant, 5);
   auto st = mx::to_stream(s);
-  if (variant != 0 && st.device != mx::Device::cpu) {
-    bad_arg("variant (a test-only broken rule) runs on the CPU only");
-  }
   auto inputs = verify_inputs(
       verify_logits,
       draft_logits,
@@ -254,7 +236,6 @@ mx::array verify_sampled_chain(
       std::make_shared<VerifySampledChain>(
           st,
           token_counts.has_value(),
-          static_cast<ChainVariant>(variant),
           !bias.empty()),
       std::move(inputs));
 }

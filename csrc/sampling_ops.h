@@ -26,7 +26,7 @@ mx::array sample_tokens(
 
 // verify_logits [B, 2, V]; draft_logits [B, V]; tokens [B, 2] (x0, draft);
 // uniforms [B, 3]; params [B, 7] float32; token_counts [B, V] (before x0).
-// -> bundle [B, 5] int32. `variant` != 0 selects a test-only broken pipeline.
+// -> bundle [B, 5] int32.
 mx::array verify_sampled(
     const mx::array& verify_logits,
     const mx::array& draft_logits,
@@ -34,14 +34,13 @@ mx::array verify_sampled(
     const mx::array& uniforms,
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
-    int variant = 0,
     mx::StreamOrDevice s = {});
 
 // verify_logits [B, K + 1, V] (K in 1..8); draft_logits [B, K, V]; tokens
 // [B, K + 1] (x0, d_1..d_K); uniforms [B, K + 2]; params [B, 7] float32;
 // token_counts [B, V] (before x0); logit_bias_ids / logit_bias_values
 // [B, M] (added to the target and the draft rows). -> chain bundle
-// [B, K + 3] int32. `variant` != 0 selects a test-only broken rule (CPU only).
+// [B, K + 3] int32.
 mx::array verify_sampled_chain(
     const mx::array& verify_logits,
     const mx::array& draft_logits,
@@ -49,7 +48,6 @@ mx::array verify_sampled_chain(
     const mx::array& uniforms,
     const mx::array& params,
     const std::optional<mx::array>& token_counts,
-    int variant = 0,
     const std::optional<mx::array>& logit_bias_ids = std::nullopt,
     const std::optional<mx::array>& logit_bias_values = std::nullopt,
     mx::StreamOrDevice s = {});

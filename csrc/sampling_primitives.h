@@ -12,15 +12,6 @@ namespace mtplx {
 
 namespace mx = mlx::core;
 
-// Test-only deliberately wrong pipelines of verify_sampled. The statistical
-// tests run them to prove that they can tell an exact sampler from a wrong one.
-enum class SamplingVariant : int {
-  kExact = 0,
-  kResidualFromTarget = 1, // on rejection draw from p, not max(p - q, 0)
-  kTopPOnlyAtBonus = 2, // p and q at the draft position skip top-p
-  kDraftWithoutTemperature = 3, // q recomputed with temperature 1
-};
-
 // Draws one token per row from the transformed distribution of its logits.
 // Inputs: logits [B, V] (float32/float16/bfloat16), uniforms [B] float32,
 // params [B, kParamCols] float32, then optionally counts [B, V] int32, then
@@ -66,32 +57,25 @@ class SampleTokens : public mx::UnaryPrimitive {
 
 // The state of a sampled verification primitive (verify_sampled and its
 // chain form): whether counts and a logit bias (ids, values: the last two
-// inputs) are inputs, and the test-only variant.
-template <class Variant>
+// inputs) are inputs.
 class SampledVerifyPrimitive : public mx::UnaryPrimitive {
  public:
   SampledVerifyPrimitive(
       mx::Stream stream,
       bool has_counts,
-      Variant variant,
       bool has_bias = false)
       : mx::UnaryPrimitive(stream),
         has_counts_(has_counts),
-        variant_(variant),
         has_bias_(has_bias) {}
 
   // MLX compares only primitives of the same type (typeid) here.
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const SampledVerifyPrimitive&>(other);
-    return has_counts_ == o.has_counts_ && variant_ == o.variant_ &&
-        has_bias_ == o.has_bias_;
+    return has_counts_ == o.has_counts_ && has_bias_ == o.has_bias_;
   }
 
   bool has_counts() const {
     return has_counts_;
-  }
-  Variant variant() const {
-    return variant_;
   }
   bool has_bias() const {
     return has_bias_;
@@ -99,7 +83,6 @@ class SampledVerifyPrimitive : public mx::UnaryPrimitive {
 
  protected:
   bool has_counts_;
-  Variant variant_;
   bool has_bias_;
 };
 
@@ -108,7 +91,7 @@ class SampledVerifyPrimitive : public mx::UnaryPrimitive {
 // dtype), tokens [B, 2] (int32/int64), uniforms [B, kUniformCols] float32,
 // params [B, kParamCols] float32, then optionally counts [B, V] int32.
 // Output: bundle [B, 5] int32 (x0, draft, second, accept, bonus).
-class VerifySampled : public SampledVerifyPrimitive<SamplingVariant> {
+class VerifySampled : public SampledVerifyPrimitive {
  public:
   using SampledVerifyPrimitive::SampledVerifyPrimitive;
 
@@ -122,17 +105,6 @@ class VerifySampled : public SampledVerifyPrimitive<SamplingVariant> {
       const std::vector<mx::array>& inputs) override;
 };
 
-// Test-only deliberately wrong chain rules (CPU only), for the statistical
-// tests to reject.
-enum class ChainVariant : int {
-  kExact = 0,
-  kResidualUnnormalised = 1, // residual drawn as if its mass were 1
-  kBonusFromDraft = 2, // bonus drawn from the last draft row, not p_{K+1}
-  kAcceptWithNextTarget = 3, // accept test against p_{i+1} instead of p_i
-  kBiasNotInResidual = 4, // the residual drawn from the unbiased p
-  kBiasNotInDraft = 5, // q without the bias the draft was sampled with
-};
-
 // Exact speculative verification of K chained sampled drafts per row.
 // Inputs: verify_logits [B, K + 1, V], draft_logits [B, K, V] (same float
 // dtype), tokens [B, K + 1] (int32/int64: x0, d_1..d_K), uniforms
@@ -142,7 +114,7 @@ enum class ChainVariant : int {
 // added to every target row and every draft row (the drafts are sampled
 // with it, so q is the biased draft distribution).
 // Output: the chain bundle [B, K + 3] int32 (layout in mtplx_rules.h).
-class VerifySampledChain : public SampledVerifyPrimitive<ChainVariant> {
+class VerifySampledChain : public SampledVerifyPrimitive {
  public:
   using SampledVerifyPrimitive::SampledVerifyPrimitive;
 

@@ -536,8 +536,7 @@ template <typename K, typename TokT>
 
 // verify_logits [B, 2, V] and draft_logits [B, V] bits; tokens [B, 2];
 // uniforms [B, kUniformCols]; params [B, kParamCols]; counts [B, V] (bound
-// when has_counts); bundle [B, kBundleCols]. variant != 0: the test-only
-// broken pipelines of SamplingVariant (sampling_primitives.h).
+// when has_counts); bundle [B, kBundleCols].
 template <typename K, typename TokT>
 [[kernel]] void verify_sampled(
     const device typename K::bits_t* vlogits [[buffer(0)]],
@@ -549,7 +548,6 @@ template <typename K, typename TokT>
     device int* bundle [[buffer(6)]],
     constant int& vocab [[buffer(7)]],
     constant int& has_counts [[buffer(8)]],
-    constant int& variant [[buffer(9)]],
     uint row [[threadgroup_position_in_grid]],
     uint tid [[thread_position_in_threadgroup]],
     uint tg_size [[threads_per_threadgroup]],
@@ -568,15 +566,7 @@ template <typename K, typename TokT>
   const int draft = d_ok ? int(d_raw) : kInvalid;
   const device float* u = uniforms + size_t(row) * kUniformCols;
 
-  SamplerRow s = sampler_row(params + size_t(row) * kParamCols);
-  SamplerRow sp = s;
-  SamplerRow sq = s;
-  if (variant == 2) {
-    sp.top_p = 1.0f;
-    sq.top_p = 1.0f;
-  } else if (variant == 3 && s.temperature > 0.0f) {
-    sq.temperature = 1.0f;
-  }
+  const SamplerRow s = sampler_row(params + size_t(row) * kParamCols);
   LogitRow<K> rp;
   rp.x = vlogits + size_t(row) * 2 * V;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
@@ -594,13 +584,13 @@ template <typename K, typename TokT>
 
   // Both verification rows are checked, as in verify_greedy; tokens first.
   // An unusable draft row (a broken head) only rejects the draft.
-  DistCut p = build_dist<K>(rp, sp, V, c);
-  DistCut q = build_dist<K>(rq, sq, V, c);
+  DistCut p = build_dist<K>(rp, s, V, c);
+  DistCut q = build_dist<K>(rq, s, V, c);
   DistCut p1 = build_dist<K>(r1, s, V, c);
   int second = kInvalid, accept = kInvalid, bonus = kInvalid;
   if (x0_ok && d_ok && p.valid && p1.valid) {
-    float pd = prob_of<K>(rp, sp, p, draft);
-    float qd = q.valid ? prob_of<K>(rq, sq, q, draft) : 0.0f;
+    float pd = prob_of<K>(rp, s, p, draft);
+    float qd = q.valid ? prob_of<K>(rq, s, q, draft) : 0.0f;
     float ua = clamp_uniform<float>(u[kUniformAccept], kOneBelowF);
     if (q.valid && accepts_draft<float>(ua, qd, pd)) {
       accept = 1;
@@ -609,9 +599,8 @@ template <typename K, typename TokT>
           r1, s, p1, r1, s, p1, false, u[kUniformBonus], V, c);
     } else {
       accept = 0;
-      const bool from_target = variant == 1 || !q.valid;
       second = draw_rejected<K>(
-          rp, sp, p, rq, sq, q, !from_target, u[kUniformResample], V, c);
+          rp, s, p, rq, s, q, q.valid, u[kUniformResample], V, c);
     }
   }
   if (tid == 0) {

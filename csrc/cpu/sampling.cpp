@@ -1152,15 +1152,13 @@ int sample_residual(
     const RowDist& p,
     const RowDist& q,
     double u,
-    double* scratch,
-    bool renormalise) {
+    double* scratch) {
   if (!p.idx && !q.idx && p.n == q.n && scratch) {
     residual_dense(p.w, p.total, q.w, q.total, scratch, p.n);
     RowDist r{p.n, nullptr, scratch, lane_sum(scratch, p.n)};
     if (!(r.total > 0)) {
       return sample_row(p, u);
     }
-    r.total = renormalise ? r.total : 1.0;
     return sample_row(r, u);
   }
   double total = 0;
@@ -1172,7 +1170,7 @@ int sample_residual(
   if (!(total > 0)) {
     return sample_row(p, u);
   }
-  const double target = renormalise ? u * total : u;
+  const double target = u * total;
   double run = 0;
   int last = -1, pick = -1;
   for_each_union(p, q, [&](int t, double wp, double wq) {
@@ -1253,7 +1251,7 @@ void SampleTokens::eval_cpu(
 void VerifySampled::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto job = [has_counts = has_counts_, variant = variant_](
+  auto job = [has_counts = has_counts_](
                  std::vector<mx::array>& in, mx::array& out) {
     auto& vl = in[0];
     auto& dl = in[1];
@@ -1292,24 +1290,16 @@ void VerifySampled::eval_cpu(
       const int32_t* c = counts ? counts + size_t(b) * V : nullptr;
       const auto s =
           cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
-      auto sp = s, sq = s;
-      if (variant == SamplingVariant::kTopPOnlyAtBonus) {
-        sp.top_p = sq.top_p = 1.0;
-      } else if (
-          variant == SamplingVariant::kDraftWithoutTemperature &&
-          s.temperature > 0) {
-        sq.temperature = 1.0;
-      }
       cpu::RowDist p, q;
       const int64_t ex[2] = {x0, d};
-      if (!bp.build(v0, dt, c, {ex, 1}, sp, p)) {
+      if (!bp.build(v0, dt, c, {ex, 1}, s, p)) {
         return;
       }
       // q sees the same counts and x0: it takes the tokens the penalties
       // touch from p's build instead of scanning counts again. An unusable
       // draft row (a broken head) is only a bad proposal: rejected, and the
       // token drawn from p (acceptance probability 0 keeps the rule exact).
-      const bool q_ok = bq.build(dr, dt, c, {ex, 1}, sq, q, bp.penalty_seen(1));
+      const bool q_ok = bq.build(dr, dt, c, {ex, 1}, s, q, bp.penalty_seen(1));
       const double ua =
           uniform_at(u, size_t(b) * kUniformCols + kUniformAccept);
       const double ur =
@@ -1331,10 +1321,8 @@ void VerifySampled::eval_cpu(
             p1, uniform_at(u, size_t(b) * kUniformCols + kUniformBonus));
       } else if (cpu::row_valid(v1, dt, V)) {
         row[kColAccept] = 0;
-        row[kColSecond] =
-            (variant == SamplingVariant::kResidualFromTarget || !q_ok)
-            ? cpu::sample_row(p, ur)
-            : cpu::sample_residual(p, q, ur, bq.scratch());
+        row[kColSecond] = q_ok ? cpu::sample_residual(p, q, ur, bq.scratch())
+                               : cpu::sample_row(p, ur);
       }
     };
     double cost = 0; // p, q and the bonus row (or its validity scan)

@@ -170,14 +170,12 @@ class RowDistBuilder {
 int sample_row(const RowDist& d, double u);
 
 // Draw from normalise(max(p/|p| - q/|q|, 0)), or from p when that is empty.
-// `scratch` (V doubles, or null) speeds up two dense rows. `renormalise` =
-// false is a test-only broken rule (the residual's mass taken as 1).
+// `scratch` (V doubles, or null) speeds up two dense rows.
 int sample_residual(
     const RowDist& p,
     const RowDist& q,
     double u,
-    double* scratch,
-    bool renormalise = true);
+    double* scratch);
 
 // Validity of a raw logits row under the shared rules (mtplx_rules.h).
 bool row_valid(const void* logits, mx::Dtype dtype, int V);

@@ -20,9 +20,7 @@ namespace mtplx {
 void VerifySampledChain::eval_cpu(
     const std::vector<mx::array>& inputs,
     mx::array& out) {
-  auto job = [has_counts = has_counts_,
-              variant = variant_,
-              has_bias = has_bias_](std::vector<mx::array>& in, mx::array& out) {
+  auto job = [has_counts = has_counts_, has_bias = has_bias_](std::vector<mx::array>& in, mx::array& out) {
     auto& vl = in[0];
     auto& dl = in[1];
     auto& tokens = in[2];
@@ -42,16 +40,13 @@ void VerifySampledChain::eval_cpu(
     int32_t* o = out.data<int32_t>();
     auto run_row = [&](int b) {
       // Every target and draft row of this stream is read with its bias
-      // (scratch slots: 0 target, 1 draft, 2 the broken variants' extra
-      // rows); the variants drop it where they say.
+      // (scratch slots: 0 target, 1 draft).
       const cpu::RowBias bias = cpu::RowBias::of(in, bias_at, has_bias, b);
-      const cpu::RowBias q_bias =
-          variant == ChainVariant::kBiasNotInDraft ? cpu::RowBias{} : bias;
-      auto vrow_at = [&](int j, int slot, const cpu::RowBias& rbias) {
-        return cpu::biased_row(vbase + (size_t(b) * T + j) * rb, dt, V, rbias, slot);
+      auto vrow_at = [&](int j) {
+        return cpu::biased_row(vbase + (size_t(b) * T + j) * rb, dt, V, bias, 0);
       };
-      auto drow_at = [&](int j, const cpu::RowBias& rbias) {
-        return cpu::biased_row(dbase + (size_t(b) * K + j) * rb, dt, V, rbias, 1);
+      auto drow_at = [&](int j) {
+        return cpu::biased_row(dbase + (size_t(b) * K + j) * rb, dt, V, bias, 1);
       };
       // ex = (x0, d_1..d_K): position i counts its first i entries.
       int64_t ex[kMaxExtraTokens];
@@ -63,7 +58,6 @@ void VerifySampledChain::eval_cpu(
       int n = kInvalid;
       const float* ur = u + size_t(b) * UC;
       const int32_t* cr = counts ? counts + size_t(b) * V : nullptr;
-      const char* vrow = vbase + size_t(b) * T * rb;
       const auto s =
           cpu::RowSampler::from_params(params + size_t(b) * kParamCols);
       if (x0 >= 0 && x0 < V) {
@@ -75,7 +69,7 @@ void VerifySampledChain::eval_cpu(
         cpu::SeenPrefix prev{};
         n = 0;
         for (int i = 1; i <= K; ++i) {
-          const cpu::LogitRow pr = vrow_at(i - 1, 0, bias);
+          const cpu::LogitRow pr = vrow_at(i - 1);
           if (!bp.build(pr.data, pr.dtype, cr, {ex, i}, s, p, prev)) {
             n = kInvalid;
             break;
@@ -83,7 +77,7 @@ void VerifySampledChain::eval_cpu(
           const int64_t d = ex[i];
           // A draft outside the vocabulary or an unusable draft row is only
           // a bad proposal: acceptance probability 0.
-          const cpu::LogitRow qr = drow_at(i - 1, q_bias);
+          const cpu::LogitRow qr = drow_at(i - 1);
           const bool q_ok = d >= 0 && d < V &&
               bq.build(qr.data,
                        qr.dtype,
@@ -93,15 +87,7 @@ void VerifySampledChain::eval_cpu(
                        q,
                        bp.penalty_seen(i));
           prev = q_ok ? bq.penalty_seen(i) : cpu::SeenPrefix{};
-          double pd = q_ok ? p.weight_of(int(d)) / p.total : 0.0;
-          if (q_ok && variant == ChainVariant::kAcceptWithNextTarget) {
-            cpu::RowDistBuilder& bx = cpu::cached_builder(2, V);
-            cpu::RowDist px;
-            const cpu::LogitRow xr = vrow_at(i, 2, bias);
-            pd = bx.build(xr.data, xr.dtype, cr, {ex, i}, s, px)
-                ? px.weight_of(int(d)) / px.total
-                : 0.0;
-          }
+          const double pd = q_ok ? p.weight_of(int(d)) / p.total : 0.0;
           const double ua = cpu::uniform_at(ur, i - 1);
           if (q_ok &&
               accepts_draft<double>(ua, q.weight_of(int(d)) / q.total, pd)) {
@@ -110,32 +96,15 @@ void VerifySampledChain::eval_cpu(
             continue;
           }
           const double uq = cpu::uniform_at(ur, chain_uniform_resample(K));
-          cpu::RowDist p_unbiased;
-          if (variant == ChainVariant::kBiasNotInResidual) {
-            cpu::RowDistBuilder& bx = cpu::cached_builder(2, V);
-            bx.build(vrow + size_t(i - 1) * rb, dt, cr, {ex, i}, s, p_unbiased);
-            p = p_unbiased;
-          }
-          c[i - 1] = q_ok
-              ? cpu::sample_residual(
-                    p,
-                    q,
-                    uq,
-                    bq.scratch(),
-                    variant != ChainVariant::kResidualUnnormalised)
-              : cpu::sample_row(p, uq);
+          c[i - 1] = q_ok ? cpu::sample_residual(p, q, uq, bq.scratch())
+                          : cpu::sample_row(p, uq);
           break;
         }
         if (n == K) {
           // Every draft accepted: the bonus from p_{K+1}.
           const double ub = cpu::uniform_at(ur, chain_uniform_bonus(K));
-          const cpu::LogitRow br = variant == ChainVariant::kBonusFromDraft
-              ? drow_at(K - 1, bias)
-              : vrow_at(K, 0, bias);
-          const bool ok = variant == ChainVariant::kBonusFromDraft
-              ? bp.build(br.data, br.dtype, cr, {ex, T}, s, p)
-              : bp.build(br.data, br.dtype, cr, {ex, T}, s, p, prev);
-          if (ok) {
+          const cpu::LogitRow br = vrow_at(K);
+          if (bp.build(br.data, br.dtype, cr, {ex, T}, s, p, prev)) {
             c[K] = cpu::sample_row(p, ub);
           } else {
             n = kInvalid;

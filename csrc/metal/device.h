@@ -74,15 +74,14 @@ void launch_verify_rows(
 // Buffers of the sampled verification kernels (verify_sampled and
 // verify_sampled_chain, metal/sampling.h and metal/chain.h): the five inputs,
 // counts (the verify logits as a filler the kernel never reads when
-// has_counts is off), the bundle, V, has_counts and the kernel's own last
-// int (variant or drafts) at 9.
+// has_counts is off), the bundle, V and has_counts (the chain kernel takes
+// its drafts at 9).
 inline void bind_sampled_verify(
     mx::metal::CommandEncoder& enc,
     const std::vector<mx::array>& inputs,
     bool has_counts,
     mx::array& out,
-    int vocab,
-    int last) {
+    int vocab) {
   const int counts_flag = has_counts ? 1 : 0;
   for (int i = 0; i < 5; ++i) {
     enc.set_input_array(inputs[i], i);
@@ -91,7 +90,6 @@ inline void bind_sampled_verify(
   enc.set_output_array(out, 6);
   enc.set_bytes(vocab, 7);
   enc.set_bytes(counts_flag, 8);
-  enc.set_bytes(last, 9);
 }
 
 } // namespace mtplx::metal

@@ -53,7 +53,6 @@ void VerifySampled::eval_gpu(
   auto& vl = inputs[0];
   auto& tokens = inputs[2];
   const int V = vl.shape(2);
-  const int variant = static_cast<int>(variant_);
   metal::launch_verify_rows(
       stream(),
       "verify_sampled",
@@ -62,7 +61,7 @@ void VerifySampled::eval_gpu(
       out,
       metal::sampling_threads,
       [&](auto& enc) {
-        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, variant);
+        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V);
       });
 }
 
@@ -81,7 +80,8 @@ void VerifySampledChain::eval_gpu(
       out,
       metal::sampling_threads,
       [&](auto& enc) {
-        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V, K);
+        metal::bind_sampled_verify(enc, inputs, has_counts_, out, V);
+        enc.set_bytes(K, 9);
         if (has_bias_) { // the dense [B, V] bias, last (sampling_ops.cpp)
           enc.set_input_array(inputs.back(), 10);
         }

@@ -17,6 +17,7 @@ import pytest
 import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.sampling import counts_with, distribution_from_logits
+from _broken_rules import target_one_position_late
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 
 N = 4000
@@ -97,11 +98,7 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
     import mtplx_ext.engine.policies as policies
 
     vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
-    real = policies.verify_sampled_chain
-
-    def accept_against_the_next_target(*args, **kw):  # variant 3 of the chain primitive (test-only)
-        return real(*args, **kw, _variant=3)
-
+    broken_rule = target_one_position_late(policies.verify_sampled_chain)
     for _ in range(5):
         rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
         prompt = rng.integers(0, vocab, size=4).tolist()
@@ -110,7 +107,7 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
         if acc > 0.2:  # a head that drafts usefully: rejection draws matter
             break
     with monkeypatch.context() as m:
-        m.setattr(policies, "verify_sampled_chain", accept_against_the_next_target)
+        m.setattr(policies, "verify_sampled_chain", broken_rule)
         broken, _ = first_two(rt, prompt, cfg, seeds, mtp=True)
     assert pair_pvalue(rt, prompt, cfg, broken) < ALPHA_BROKEN
 
@@ -228,9 +225,8 @@ def test_the_depth_test_rejects_a_chain_that_tests_acceptance_against_the_next_t
 
     V, depth = 8, 2
     cfg = SamplerConfig(temperature=2.0, top_p=0.97)
-    real = policies.verify_sampled_chain
-    # Variant 3 of the chain primitive (test-only): draft i tested against p_{i+1}.
-    monkeypatch.setattr(policies, "verify_sampled_chain", lambda *a, **k: real(*a, **k, _variant=3))
+    # Draft i tested against, and resampled from, p_{i+1} (`_broken_rules`).
+    monkeypatch.setattr(policies, "verify_sampled_chain", target_one_position_late(policies.verify_sampled_chain))
     for _ in range(5):
         rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
         prompt = rng.integers(0, V, size=4).tolist()

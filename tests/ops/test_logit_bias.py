@@ -32,12 +32,11 @@ from mtplx_ext.sampling import (
     sample_mtp_chain_row,
     transform_row,
 )
+from _broken_rules import sampled_chain
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 from test_chain_stats import Bigram
 from test_chain_verify import _run, chain_ambiguous, expected_bundle, greedy_case, sampled_case
 from test_sampling_fused import DTYPES, TOL, cdf_ambiguous, kept_ambiguous, random_counts, random_logits, host
-
-BIAS_NOT_IN_RESIDUAL, BIAS_NOT_IN_DRAFT = 4, 5
 
 
 @pytest.fixture
@@ -211,20 +210,24 @@ def test_sampler_config_rejects_bad_logit_bias_naming_the_field(SamplerConfig_fi
 # Statistical exactness with a bias
 
 
-def run_biased_chain(rng, model: Bigram, x0: int, K: int, variant: int, N: int = 40_000) -> np.ndarray:
-    """Histogram of K + 1 committed-and-completed tokens; drafts drawn from the biased q."""
+def run_biased_chain(rng, model: Bigram, x0: int, K: int, rule: str, N: int = 40_000) -> np.ndarray:
+    """Histogram of K + 1 committed-and-completed tokens; drafts drawn from the biased q (the primitive, or a
+    broken `rule` of `_broken_rules`)."""
     V = model.target.shape[0]
     toks = np.full((N, K + 1), x0, np.int64)
     for i in range(1, K + 1):
         toks[:, i] = model.sample(rng, "q", toks[:, :i])
     u = rng.random((N, K + 2)).astype(np.float32)
     counts = None if model.counts is None else mx.array(np.tile(model.counts, (N, 1)))
-    out = np.array(
-        verify_sampled_chain(
-            mx.array(model.target[toks]), mx.array(model.draft[toks[:, :K]]), mx.array(toks.astype(np.int32)),
-            mx.array(u), model.cfg, counts, logit_bias=bias_arrays([model.cfg] * N), _variant=variant,
+    if rule != "exact":
+        out = sampled_chain(model.target[toks], model.draft[toks[:, :K]], toks, u, model.cfg, model.counts, rule)
+    else:
+        out = np.array(
+            verify_sampled_chain(
+                mx.array(model.target[toks]), mx.array(model.draft[toks[:, :K]]), mx.array(toks.astype(np.int32)),
+                mx.array(u), model.cfg, counts, logit_bias=bias_arrays([model.cfg] * N),
+            )
         )
-    )
     n = out[:, 1]
     assert np.all(n >= 0)
     seq = np.concatenate([np.full((N, 1), x0), out[:, 2:]], 1).astype(np.int64)
@@ -248,17 +251,17 @@ def test_biased_chain_commits_follow_the_biased_target():
     rng = np.random.default_rng()
     model = biased_bigram(rng)
     x0 = int(rng.integers(3))
-    assert g_test_pvalue(run_biased_chain(rng, model, x0, 2, 0), model.expected(x0, 2)) > ALPHA_EXACT
+    assert g_test_pvalue(run_biased_chain(rng, model, x0, 2, "exact"), model.expected(x0, 2)) > ALPHA_EXACT
 
 
-@pytest.mark.parametrize("variant", [BIAS_NOT_IN_RESIDUAL, BIAS_NOT_IN_DRAFT], ids=["residual_unbiased", "q_unbiased"])
-def test_broken_bias_rules_are_rejected_by_the_same_test(variant):
+@pytest.mark.parametrize("rule", ["bias_not_in_residual", "bias_not_in_draft"])
+def test_broken_bias_rules_are_rejected_by_the_same_test(rule):
     rng = np.random.default_rng()
     pvalues = []
     for _ in range(3):
         model = biased_bigram(rng)
         x0 = int(rng.integers(3))
-        pvalues.append(g_test_pvalue(run_biased_chain(rng, model, x0, 2, variant), model.expected(x0, 2)))
+        pvalues.append(g_test_pvalue(run_biased_chain(rng, model, x0, 2, rule), model.expected(x0, 2)))
         if pvalues[-1] < ALPHA_BROKEN:
             break
     assert min(pvalues) < ALPHA_BROKEN, pvalues

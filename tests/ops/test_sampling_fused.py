@@ -550,7 +550,7 @@ def test_metal_kernels_match_the_reference_on_the_emulator(rng, emu, dtype, thre
             f"verify_sampled_{dtype}_{tok}",
             (B,),
             threads,
-            [_bits(vl), _bits(dl), tokens, uu, params, counts, bundle, scalar(V), scalar(1), scalar(0)],
+            [_bits(vl), _bits(dl), tokens, uu, params, counts, bundle, scalar(V), scalar(1)],
         )
         vh, dh = host(vl), host(dl)
         for b in range(B):

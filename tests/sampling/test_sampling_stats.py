@@ -7,8 +7,8 @@ the draft) and verify_sampled. The committed pair (x0, second) must follow
 P(t1) p(t2 | t1) after the sampler's transforms (G-test: p >= 1e-5, `_stats.ALPHA_EXACT`, and no
 pair outside the kept sets), and the acceptance rate must lie within 5 sigma
 of sum_t1 P(t1) sum_t min(p, q). The same test run on deliberately broken
-pipelines (test-only variants of the primitive, driven by the same kind of
-uniforms) must reject them.
+rules (`_broken_rules`: the exact rule with one change, fed the same
+drafts and uniforms) must reject them.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import pytest
 
 import mtplx_ext
 from mtplx_ext.sampling import SamplerConfig, counts_with, distribution_from_logits, pack_params
+from _broken_rules import sampled_chain
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 
 N = 100_000
 
-EXACT = 0
-RESIDUAL_FROM_TARGET = 1
-TOP_P_ONLY_AT_BONUS = 2
-DRAFT_WITHOUT_TEMPERATURE = 3
+EXACT = "exact"
 
 
 class ToyModel:
@@ -60,8 +58,8 @@ class ToyModel:
             acc += P[t1] * np.minimum(p, q).sum()
         return joint, acc
 
-    def run(self, cfg: SamplerConfig, seed: int, variant: int = EXACT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """N cycles in one batch: (x0, second, accept) per cycle."""
+    def run(self, cfg: SamplerConfig, seed: int, rule: str = EXACT) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """N cycles in one batch: (x0, second, accept) per cycle (the primitive, or a broken `rule`)."""
         V = self.V
         params = mx.array(pack_params(cfg, N))
         counts = mx.broadcast_to(mx.array(self.counts)[None], (N, V))
@@ -74,16 +72,18 @@ class ToyModel:
             draft_logits, mx.random.uniform(shape=(N,), key=k1), params, token_counts=counts, extra_tokens=x0[:, None]
         )
         vl = mx.stack([mx.array(self.target, mx.float32)[x0], mx.array(self.bonus, mx.float32)[d]], axis=1)
-        bundle = mtplx_ext._ext.verify_sampled(
-            vl, draft_logits, mx.stack([x0, d], 1), mx.random.uniform(shape=(N, 3), key=k2), params, counts, variant=variant
-        )
-        b = np.array(bundle)
+        u = mx.random.uniform(shape=(N, 3), key=k2)
+        if rule != EXACT:  # the chain bundle of K = 1: (x0, accepted, second, bonus)
+            c = sampled_chain(np.array(vl), np.array(draft_logits)[:, None], np.array(mx.stack([x0, d], 1)),
+                              np.array(u), cfg, self.counts, rule)
+            return c[:, 0], c[:, 2], c[:, 1]
+        b = np.array(mtplx_ext.verify_sampled(vl, draft_logits, mx.stack([x0, d], 1), u, params, token_counts=counts))
         return b[:, 0], b[:, 2], b[:, 3]
 
 
-def check(model: ToyModel, cfg: SamplerConfig, seed: int, variant: int = EXACT) -> tuple[float, float]:
+def check(model: ToyModel, cfg: SamplerConfig, seed: int, rule: str = EXACT) -> tuple[float, float]:
     """(G-test p-value of the committed pairs, acceptance z-score)."""
-    x0, second, accept = model.run(cfg, seed, variant)
+    x0, second, accept = model.run(cfg, seed, rule)
     assert np.all(accept >= 0), "no row may be flagged unusable"
     joint, acc = model.expected(cfg)
     observed = np.bincount(x0 * model.V + second, minlength=model.V**2)
@@ -122,15 +122,15 @@ def test_committed_pairs_follow_the_target_and_acceptance_matches_overlap(rng, n
 
 
 @pytest.mark.parametrize(
-    "variant, cfg",
+    "rule, cfg",
     [
-        (RESIDUAL_FROM_TARGET, SamplerConfig(temperature=1.0)),
-        (TOP_P_ONLY_AT_BONUS, SamplerConfig(temperature=1.5, top_p=0.6)),
-        (DRAFT_WITHOUT_TEMPERATURE, SamplerConfig(temperature=0.5)),
+        ("residual_from_target", SamplerConfig(temperature=1.0)),
+        ("top_p_only_at_bonus", SamplerConfig(temperature=1.5, top_p=0.6)),
+        ("draft_without_temperature", SamplerConfig(temperature=0.5)),
     ],
     ids=["residual_from_target", "top_p_only_at_bonus", "draft_without_temperature"],
 )
-def test_same_test_rejects_deliberately_broken_pipelines(rng, variant, cfg):
+def test_same_test_rejects_deliberately_broken_pipelines(rng, rule, cfg):
     # A model whose cuts leave a single possible pair cannot tell any
     # pipeline from another: draw one with a choice left.
     while True:
@@ -141,6 +141,6 @@ def test_same_test_rejects_deliberately_broken_pipelines(rng, variant, cfg):
     # The exact pipeline passes on this very model and seed ...
     p_exact, _ = check(model, cfg, seed)
     assert p_exact >= ALPHA_EXACT
-    # ... and the broken one, driven by the same uniforms, fails.
-    p_broken, _ = check(model, cfg, seed, variant)
-    assert p_broken < ALPHA_BROKEN, f"broken variant {variant} not detected: p = {p_broken:.2e}"
+    # ... and the broken one, driven by the same drafts and uniforms, fails.
+    p_broken, _ = check(model, cfg, seed, rule)
+    assert p_broken < ALPHA_BROKEN, f"broken rule {rule} not detected: p = {p_broken:.2e}"

@@ -237,17 +237,18 @@ class GrammarConstraint:
     Args:
         compiled: an `xgrammar.CompiledGrammar` (from `GrammarVocab`).
         encode: text -> token ids (the tokenizer's), for `forced_tokens`.
+        matcher: the `xgrammar.GrammarMatcher` to go on from (`fork`); None: a new one at the grammar's start.
     """
 
-    def __init__(self, compiled: Any, _matcher: Any = None, encode: Any = None):
+    def __init__(self, compiled: Any, encode: Any = None, *, matcher: Any = None):
         import xgrammar as xgr
 
         self._compiled = compiled
-        self._m = _matcher if _matcher is not None else xgr.GrammarMatcher(compiled)
+        self._m = matcher if matcher is not None else xgr.GrammarMatcher(compiled)
         self._encode = encode
 
     def fork(self) -> "GrammarConstraint":
-        return GrammarConstraint(self._compiled, self._m.fork(), self._encode)
+        return GrammarConstraint(self._compiled, self._encode, matcher=self._m.fork())
 
     def forced_tokens(self) -> list[int]:
         """The tokenizer's tokens of the text the grammar forces next ([] without one or without `encode`)."""

@@ -99,8 +99,8 @@ class Capture:
 
     by_cache: dict[int, LayerCapture] = field(default_factory=dict)
     # id(state array) -> id(cache), taken when the capture starts.
-    _state_ids: dict[int, int] = field(default_factory=dict)
-    _conv: mx.array | None = None
+    _state_ids: dict[int, int] = field(default_factory=dict, init=False)
+    _conv: mx.array | None = field(default=None, init=False)
 
     def of(self, cache: Any) -> LayerCapture:
         """The capture of a recurrent cache; KeyError if its layer did not run."""

@@ -210,7 +210,6 @@ def verify_sampled_chain(
     *,
     logit_bias: tuple[mx.array, mx.array] | None = None,
     stream: mx.Stream | mx.Device | None = None,
-    _variant: int = 0,
 ) -> mx.array:
     """Exact speculative verification of K chained sampled drafts per stream.
 
@@ -240,7 +239,6 @@ def verify_sampled_chain(
             the biased draft distribution, since the drafts are sampled with
             the same bias.
         stream: MLX stream or device to run on.
-        _variant: test-only deliberately broken rules (CPU); 0 is exact.
 
     Returns:
         [B, K + 3] int32 chain bundle: x0, n (accepted drafts), c_1..c_{K+1}
@@ -263,9 +261,9 @@ def verify_sampled_chain(
     bias = require_logit_bias(logit_bias, B)
     params = sampler_params(sampler, B)
     if bias is None:
-        return _ext.verify_sampled_chain(vl, dl, tok, u, params, counts, variant=_variant, stream=stream)
+        return _ext.verify_sampled_chain(vl, dl, tok, u, params, counts, stream=stream)
     return _ext.verify_sampled_chain(
-        vl, dl, tok, u, params, counts, variant=_variant, logit_bias_ids=bias[0], logit_bias_values=bias[1],
+        vl, dl, tok, u, params, counts, logit_bias_ids=bias[0], logit_bias_values=bias[1],
         stream=stream,
     )
 
