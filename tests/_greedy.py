@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generate_step
 
 import mtplx_ext
+import _seed
 
 #: Top-2 gap (nats) below which a batched/single-stream argmax flip is a tie.
 TIE_TOL = 1e-4
@@ -25,7 +25,7 @@ def rolls_back(model_type: str, reject_mode: str) -> bool:
 
 
 def _rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def _runtime(model_type: str, rng: np.random.Generator, **kw):

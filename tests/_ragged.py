@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import numpy as np
+import _seed
 
 
 def fresh_seed() -> int:
     """A new random seed for a test model."""
-    return int(np.random.default_rng().integers(1 << 30))
+    return _seed.fresh()
 
 
 def ragged_batch(rng: np.random.Generator, vocab: int, B: int) -> tuple[mx.array, list[int]]:

@@ -21,6 +21,61 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
 
 import pytest  # noqa: E402
 
+import _seed  # noqa: E402
+
+# Decided once, before pytest-xdist starts its workers: they inherit it.
+SESSION_SEED = _seed.session_seed()
+
+
+def pytest_report_header(config):
+    return [f"test seed: {SESSION_SEED} (replay: {_seed.ENV}={SESSION_SEED}; new cases: {_seed.ENV}=fresh)"]
+
+
+def pytest_configure(config):
+    # Hypothesis draws its examples from the run seed too (its own --hypothesis-seed, set for it).
+    try:
+        from hypothesis import core
+    except ImportError:
+        return
+    if getattr(config.option, "hypothesis_seed", None) is None:
+        core.global_force_seed = SESSION_SEED
+
+
+@pytest.fixture(autouse=True)
+def _test_seed(request):
+    """Seeds every generator a test may use from (run seed, test id): NumPy's and Python's global
+    generators, MLX's default key, and `_seed.fresh()` / the `rng` fixture."""
+    _seed_globals(_seed.start(request.node.nodeid))
+    yield
+
+
+def _seed_globals(seed: int) -> None:
+    import random
+
+    import mlx.core as mx
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    mx.random.seed(seed % 2**32)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    # Wider fixtures (models built once per module or session) draw from their own seed.
+    if fixturedef.scope != "function":
+        _seed_globals(_seed.start(fixturedef.scope, request.node.nodeid, fixturedef.argname))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        report.sections.append(
+            ("replay", f"{_seed.ENV}={SESSION_SEED} python -m pytest '{item.nodeid}'"))
+
 
 @pytest.fixture(scope="session")
 def emu(request, tmp_path_factory):
@@ -42,10 +97,10 @@ def emu(request, tmp_path_factory):
 
 @pytest.fixture()
 def rng():
-    """Fresh random inputs every run (a seed would make the test check one case forever)."""
+    """The test's generator: new inputs with each run seed, the same ones when a seed is replayed."""
     import numpy as np
 
-    return np.random.default_rng()
+    return np.random.default_rng(_seed.fresh())
 
 
 @pytest.fixture(scope="module")

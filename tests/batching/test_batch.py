@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from mtplx_ext.batching.batch import fit_drafts
+import _seed
 
 
 @pytest.mark.parametrize("have,want", [(4, 1), (1, 4), (2, 2), (3, 5)])
@@ -40,7 +41,7 @@ def test_padded_drafts_keep_sampled_verification_exact() -> None:
     from mtplx_ext import SamplerConfig
     from mtplx_ext.engine.bundle import COL_N, COL_TOKENS
 
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     B, K, V = 40_000, 3, 7
     vl = np.tile(rng.normal(size=(1, K + 1, V)) * 1.5, (B, 1, 1)).astype(np.float32)
     head = rng.normal(size=(1, 1, V)) * 1.5

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _engine import drive
+import _seed
 
 pytest.importorskip("xgrammar")
 
@@ -35,7 +36,7 @@ def shipped():
 @pytest.mark.parametrize("depth,mtp", [(2, True), (1, False)])
 def test_constrained_and_free_requests_arriving_at_random_steps_decode_as_alone(shipped, depth, mtp):
     rt, gv, eos = shipped
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     kws = []
     for i in range(6):
         cfg = SamplerConfig(temperature=0.0) if i % 2 else SamplerConfig(temperature=float(rng.uniform(0.6, 1.2)), top_k=20)

@@ -19,13 +19,14 @@ import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 from mtplx_ext.shipped import SHIPPED_MODEL
+import _seed
 
 V = 300
 
 
 @pytest.fixture(scope="module")
 def rt():
-    return mtplx_ext.init_random("qwen3", seed=int(np.random.default_rng().integers(1 << 30)), vocab_size=V)
+    return mtplx_ext.init_random("qwen3", seed=int(_seed.rng().integers(1 << 30)), vocab_size=V)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,7 @@ def check_request(rt, r, top: int) -> int:
 def test_logprobs_equal_the_log_softmax_of_full_forwards(request, model, mtp, depth):
     rt = request.getfixturevalue("rt" if model == "random" else "shipped")
     V = rt.vocab_size
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     eng = Engine(rt, max_batch=3, depth=depth, use_mtp=mtp, prefill_chunk=8)
     kws = []
     for i in range(5):

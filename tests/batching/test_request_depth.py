@@ -15,6 +15,7 @@ from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, drop_drafts_beyond
 from mtplx_ext.shipped import SHIPPED_MODEL
+import _seed
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def _cycle_commits(events: list) -> list[int]:
 
 
 def test_greedy_rows_of_mixed_depths_equal_mlx_lm_and_commit_at_most_their_depth(shipped):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     K = 3
     eng = Engine(shipped, max_batch=4, depth=K, prefill_chunk=16)
     arrivals, refs, events = [], [], []
@@ -66,7 +67,7 @@ def test_greedy_rows_of_mixed_depths_equal_mlx_lm_and_commit_at_most_their_depth
 
 
 def test_sampled_rows_of_mixed_depths_finish_and_honour_their_depth(shipped):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     eng = Engine(shipped, max_batch=3, depth=2)
     logs: list[list] = [[], [], []]
     cfgs = [SamplerConfig(temperature=0.8, top_p=0.95), SamplerConfig(temperature=0.9, frequency_penalty=0.3),
@@ -90,7 +91,7 @@ def test_a_dropped_draft_commits_a_draw_from_the_target_and_a_kept_one_would_not
     # The verification a depth-d row gets: drafts past d are set to -1 and the
     # kernel rejects them, drawing c_{d+1} from p_{d+1} itself. A broken cut
     # that commits the draft there instead follows the head, and is rejected.
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     B, K, V = 40_000, 2, 7
     vl = np.tile(rng.normal(size=(1, K + 1, V)) * 1.5, (B, 1, 1)).astype(np.float32)
     dl = np.tile(rng.normal(size=(1, K, V)) * 1.5, (B, 1, 1)).astype(np.float32)

@@ -15,6 +15,7 @@ from mtplx_ext import SamplerConfig
 from mtplx_ext.engine import policies
 from mtplx_ext.batching import Engine
 from mtplx_ext.shipped import SHIPPED_MODEL
+import _seed
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def shipped():
 
 @pytest.fixture()
 def rng():
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 @pytest.mark.parametrize("depth,mtp", [(2, True), (1, False)])

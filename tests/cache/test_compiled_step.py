@@ -14,13 +14,14 @@ from mtplx_ext import generate_batched, generate_greedy_batched
 from mtplx_ext.cache import rollback as cache_state
 from mtplx_ext.cache.compiled_step import CompiledStep
 from _ragged import fresh_seed, ragged_batch
+import _seed
 
 
 def test_compiled_pair_steps_with_rollbacks_equal_the_same_steps_run_eagerly():
     # The step a decode cycle repeats: a [B, 2] forward, then a per-stream
     # rollback by counts that come from the device. Replayed by mx.compile
     # over fixed-capacity caches it must track eager growable caches.
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     V, B, steps = rt.vocab_size, 3, int(rng.integers(4, 9))
     toks, pads = ragged_batch(rng, V, B)
@@ -99,7 +100,7 @@ MODES = [
 @pytest.mark.parametrize("model_type, kw", MODES)
 @pytest.mark.parametrize("serial", [False, True])
 def test_greedy_decoding_builds_its_steps_in_python_once_and_replays_them(model_type, kw, serial):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random(model_type, seed=fresh_seed())
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     runs = {}
@@ -128,7 +129,7 @@ def test_compiled_sampled_decoding_draws_the_eager_tokens(mtp, penalties):
     # number in (or dropped the penalty counts) would draw other tokens.
     from mtplx_ext import SamplerConfig
 
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=32)
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     extra = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2) if penalties else {}
@@ -168,7 +169,7 @@ def _kernels_built_by_new_capacities(rt) -> set:
         pytest.skip("MLX keeps no fused-kernel cache here")
     before = set(cache_dir.iterdir())
     # Capacities unlikely to have been seen before (a warm cache would hide a baked value).
-    for width in np.random.default_rng().integers(100, 1000, size=2):
+    for width in _seed.rng().integers(100, 1000, size=2):
         decode([int(t) % rt.vocab_size for t in range(width)])
     return set(cache_dir.iterdir()) - before
 
@@ -209,8 +210,8 @@ def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatc
     # within one decode; tokens must not notice.
     import mtplx_ext.engine.cycle as decode
 
-    monkeypatch.setattr(decode, "COMPILED_GROW_STEP", int(np.random.default_rng().integers(3, 7)))
-    rng = np.random.default_rng()
+    monkeypatch.setattr(decode, "COMPILED_GROW_STEP", int(_seed.rng().integers(3, 7)))
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     prompts = [rng.integers(0, rt.vocab_size, size=int(n)).tolist() for n in rng.integers(2, 9, size=3)]
     runs = {}
@@ -295,7 +296,7 @@ def test_a_later_decode_of_the_same_shapes_replays_the_steps_and_keeps_its_own_t
     # same shapes (other prompts and paddings) must replay them without
     # Python building a forward, and still decode its own prompts; new
     # weights must make them trace again.
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     counting = CountingForwards(mtplx_ext.init_random("qwen3", seed=fresh_seed()))
     V = counting.vocab_size
     width = int(rng.integers(6, 10))

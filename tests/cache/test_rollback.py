@@ -10,6 +10,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache
 import mtplx_ext
 from mtplx_ext.cache import rollback as cache_state
 from _ragged import fresh_seed, ragged_batch
+import _seed
 
 
 def _host_leaves(cache: list) -> list[np.ndarray]:
@@ -30,7 +31,7 @@ def hybrid():
 
 
 def test_snapshot_restore_roll_back_a_forward_bit_exactly(hybrid):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     V = hybrid.vocab_size
     toks, pads = ragged_batch(rng, V, 3)
     cache = _prefilled(hybrid, toks, pads)
@@ -49,7 +50,7 @@ def test_snapshot_restore_roll_back_a_forward_bit_exactly(hybrid):
 
 
 def test_repair_after_restore_and_trim_equals_a_run_that_never_drafted(hybrid):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     V = hybrid.vocab_size
     toks, pads = ragged_batch(rng, V, 4)
     pair = mx.array(rng.integers(0, V, (4, 2)).astype(np.int32))
@@ -91,7 +92,7 @@ def test_snapshot_and_restore_each_use_one_primitive_call_for_all_layers(hybrid,
 
     monkeypatch.setattr(cache_state, "snapshot_state", snap)
     monkeypatch.setattr(cache_state, "restore_state", restore)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     toks, pads = ragged_batch(rng, hybrid.vocab_size, 2)
     cache = _prefilled(hybrid, toks, pads)
     n_recurrent = sum(isinstance(c, ArraysCache) for c in cache)
@@ -103,7 +104,7 @@ def test_snapshot_and_restore_each_use_one_primitive_call_for_all_layers(hybrid,
 
 
 def test_trim_kv_drops_tokens_and_rejects_trimming_more_than_held():
-    B, n = 2, int(np.random.default_rng().integers(3, 7))
+    B, n = 2, int(_seed.rng().integers(3, 7))
     c = BatchKVCache([0, 1])
     kv = mx.random.normal((B, 2, n, 4))
     c.update_and_fetch(kv, kv)
@@ -116,7 +117,7 @@ def test_trim_kv_drops_tokens_and_rejects_trimming_more_than_held():
 
 
 def test_rollback_drops_an_unevaluated_forward_without_a_trace(hybrid):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     V = hybrid.vocab_size
     toks, pads = ragged_batch(rng, V, 3)
     a = mx.array(rng.integers(0, V, (3, 2)).astype(np.int32))
@@ -142,7 +143,7 @@ def test_rollback_drops_an_unevaluated_forward_without_a_trace(hybrid):
 
 
 def test_finish_prefill_drops_recurrent_padding_but_keeps_kv_padding(hybrid):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     toks, pads = ragged_batch(rng, hybrid.vocab_size, 3)
     cache = hybrid.make_cache(pads)
     hybrid.forward(toks, cache)
@@ -162,7 +163,7 @@ def test_cache_list_type_errors_name_the_argument():
 
 
 def test_runtime_snapshot_restore_trim_undo_a_forward_bit_exactly(hybrid):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     V = hybrid.vocab_size
     toks, pads = ragged_batch(rng, V, 2)
     cache = _prefilled(hybrid, toks, pads)
@@ -181,7 +182,7 @@ def test_ragged_cache_after_random_per_stream_rollbacks_equals_a_fresh_forward_o
     # Streams write [B, 2] pairs and drop 0, 1 or 2 of them at random; the
     # logits of a final forward must equal a forward of each stream's kept
     # tokens alone, from scratch.
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     V, B = rt.vocab_size, 4
     toks, pads = ragged_batch(rng, V, B)
@@ -212,7 +213,7 @@ def test_rollback_streams_refuses_caches_that_cannot_roll_back_one_stream():
 def test_ragged_layers_share_positions_so_trimming_every_layer_trims_once():
     from mlx_lm.models.cache import trim_prompt_cache
 
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     toks, pads = ragged_batch(rng, rt.vocab_size, 3)
     cache = rt.make_cache(pads, ragged=True)
@@ -224,7 +225,7 @@ def test_ragged_layers_share_positions_so_trimming_every_layer_trims_once():
 
 
 def test_a_ragged_layer_out_of_step_with_the_others_raises():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     toks, pads = ragged_batch(rng, rt.vocab_size, 2)
     cache = rt.make_cache(pads, ragged=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import secrets
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from mtplx_ext import cli
 from mtplx_ext.checkpoints import convert
 from mtplx_ext.checkpoints import CheckpointError
 from mtplx_ext.shipped import EOS_TOKEN, SHIPPED_MODEL
+import _seed
 
 FAMILIES = list(L.CONFIGS)
 
@@ -32,7 +32,7 @@ TIE_TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def seed() -> int:
-    s = secrets.randbelow(2**31)
+    s = _seed.fresh()
     print(f"random seed {s}")
     return s
 

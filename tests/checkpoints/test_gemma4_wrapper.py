@@ -22,6 +22,7 @@ from transformers import Gemma4ForConditionalGeneration
 
 import mtplx_ext
 from mtplx_ext.checkpoints import CheckpointError
+import _seed
 
 TOL = 2e-5
 N_NEW = 16
@@ -30,7 +31,7 @@ N_NEW = 16
 @pytest.fixture(scope="module")
 def wrapped(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4_wrapped")
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(_seed.rng().integers(1 << 30))
     t, a = make_pair(folder, seed, repeat=0.25)
     return wrap_target(t, folder / "wrapped", seed + 7), a
 

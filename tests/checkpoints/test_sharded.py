@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 import mtplx_ext
 from mtplx_ext import CheckpointError
 from mtplx_ext.checkpoints import sharded
+import _seed
 
 TWO = SimpleNamespace(size=lambda: 2, rank=lambda: 0)  # a group of 2, for the checks made before splitting
 
@@ -22,7 +23,7 @@ TWO = SimpleNamespace(size=lambda: 2, rank=lambda: 0)  # a group of 2, for the c
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharded") / "qwen3"
-    mtplx_ext.init_random("qwen3", seed=int(np.random.default_rng().integers(0, 2**31))).save(path)
+    mtplx_ext.init_random("qwen3", seed=int(_seed.rng().integers(0, 2**31))).save(path)
     return path
 
 

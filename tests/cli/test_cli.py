@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import _seed
+
 import mtplx_ext
 from mtplx_ext import cli
 from mtplx_ext.shipped import EOS_TOKEN, SHIPPED_MODEL
@@ -38,7 +40,7 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_generate_command_streams_the_committed_text_and_reports_stats():
-    prompt = _random_prompt(random.Random())
+    prompt = _random_prompt(random.Random(_seed.fresh()))
     p = _run_cli("generate", prompt, "--max-tokens", "12")
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith(prompt)
@@ -55,7 +57,7 @@ def test_generate_command_streams_the_committed_text_and_reports_stats():
 
 
 def test_generate_decodes_several_prompts_as_one_batch(capsys):
-    rng = random.Random()
+    rng = random.Random(_seed.fresh())
     prompts = [_random_prompt(rng) for _ in range(3)]
     assert cli.main(["generate", *prompts, "--max-tokens", "10"]) == 0
     out, err = capsys.readouterr()
@@ -65,7 +67,7 @@ def test_generate_decodes_several_prompts_as_one_batch(capsys):
 
 
 def test_generate_no_mtp_reports_plain_decoding(capsys):
-    assert cli.main(["generate", _random_prompt(random.Random()), "--max-tokens", "6", "--no-mtp"]) == 0
+    assert cli.main(["generate", _random_prompt(random.Random(_seed.fresh())), "--max-tokens", "6", "--no-mtp"]) == 0
     _, err = capsys.readouterr()
     assert "plain decoding" in err
 
@@ -188,7 +190,7 @@ def test_closed_stdout_is_a_one_line_error_before_any_work(command, capsys, monk
 def test_full_stdout_is_a_one_line_error(capsys, monkeypatch):
     with open("/dev/full", "w") as full:
         monkeypatch.setattr(sys, "stdout", full)
-        assert cli.main(["generate", _random_prompt(random.Random()), "--max-tokens", "3", "--enforce-eager"]) == 2
+        assert cli.main(["generate", _random_prompt(random.Random(_seed.fresh())), "--max-tokens", "3", "--enforce-eager"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "mtplx-ext: error: cannot write to standard output: No space left on device"
 
@@ -224,7 +226,7 @@ def test_bench_output_path_that_cannot_be_written_fails_before_the_run(flag, tmp
 
 
 def test_sampled_generate_is_reproducible_for_a_seed(capsys):
-    rng = random.Random()
+    rng = random.Random(_seed.fresh())
     argv = ["generate", _random_prompt(rng), "--max-tokens", "12", "--temperature", "0.8",
             "--top-p", "0.95", "--top-k", "50", "--seed", str(rng.randrange(1 << 30))]
     outs = []
@@ -258,7 +260,7 @@ def test_generate_refuses_a_request_beyond_the_context_with_the_servers_rule(cap
     rt = mtplx_ext.load(SHIPPED_MODEL)
     monkeypatch.setattr(cli_common, "load_model", lambda *a, **k: rt)
     ctx = rt.config["max_position_embeddings"]
-    rng = random.Random()
+    rng = random.Random(_seed.fresh())
     long_text = " ".join(_random_prompt(rng) for _ in range(ctx // 2))
     n_long = len(rt.tokenizer.encode(long_text).ids)
     assert n_long > ctx

@@ -25,6 +25,7 @@ from mtplx_ext.cli import main as cli_main
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 from _dist import free_ports, run, spawn, wait
+import _seed
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ openai = pytest.importorskip("openai")
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     path = tmp_path_factory.mktemp("tp") / "model"
     rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(0, 2**31)), vocab_size=2048)
     rt.save(path)
@@ -76,7 +77,7 @@ def test_server_on_two_ranks_answers_the_openai_client_like_the_offline_engine(f
                 time.sleep(0.3)
         else:
             raise AssertionError("the 2-rank server did not come up in 90 s")
-        rng = np.random.default_rng()
+        rng = _seed.rng()
         jobs = [dict(prompt=p, max_tokens=int(rng.integers(4, 20)), temperature=0.0 if i % 2 == 0 else 0.8,
                      seed=int(rng.integers(0, 2**31)))
                 for i, p in enumerate(["def fibonacci(n):", "import os\n", "class Stack:", "for i in range(3):"])]

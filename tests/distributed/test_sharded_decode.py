@@ -21,6 +21,7 @@ from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 
 from _dist import run_worker
+import _seed
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +87,7 @@ def _engine_oracle(rt, job: dict) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     tmp = tmp_path_factory.mktemp("dist")
     jobs, want, whole = [], {}, {}
     for name, family, parallel, head, sampled in JOBS + [(n, "qwen3", "tensor", None, True) for n in KV_JOBS]:

@@ -15,6 +15,7 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+import _seed
 
 jsonschema = pytest.importorskip("jsonschema")
 xgr = pytest.importorskip("xgrammar")
@@ -57,7 +58,7 @@ def reference_greedy(rt, gv: GrammarVocab, schema: dict, prompt: list[int], n: i
 
 
 def test_apply_bitmask_forbids_exactly_the_cleared_bits():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     V = int(rng.integers(33, 300))
     allowed = rng.random((3, 2, V)) < 0.4
     padded = np.zeros((3, 2, mask_words(V) * 32), bool)
@@ -70,7 +71,7 @@ def test_apply_bitmask_forbids_exactly_the_cleared_bits():
 
 def test_greedy_constrained_mtp_equals_plain_constrained_decoding_and_the_reference(shipped):
     rt, gv, eos = shipped
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     tok = rt.tokenizer
     prompts = [tok.encode(str(rng.choice(BENCH_PROMPTS))).ids for _ in range(4)]
     schemas = [random_schema(rng), None, random_schema(rng), None]  # mixed rows

@@ -19,6 +19,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+import _seed
 
 xgr = pytest.importorskip("xgrammar")
 
@@ -110,7 +111,7 @@ def model_with_useful_head(rng, compiled, depth):
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 @pytest.mark.parametrize("depth", [1, 2])

@@ -19,6 +19,7 @@ from mtplx_ext import SamplerConfig
 from mtplx_ext.sampling import counts_with, distribution_from_logits
 from _broken_rules import target_one_position_late
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
+import _seed
 
 N = 4000
 
@@ -32,7 +33,7 @@ SETTINGS = {
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def expected_joint(rt, prompt: list[int], cfg: SamplerConfig) -> np.ndarray:
@@ -99,13 +100,10 @@ def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatc
 
     vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
     broken_rule = target_one_position_late(policies.verify_sampled_chain)
-    for _ in range(5):
-        rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
-        prompt = rng.integers(0, vocab, size=4).tolist()
-        seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
-        _, acc = first_two(rt, prompt, cfg, seeds[:500], mtp=True)
-        if acc > 0.2:  # a head that drafts usefully: rejection draws matter
-            break
+    # Accepted or not, every draft position reads the wrong target: no need to draw a head that drafts well.
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=vocab)
+    prompt = rng.integers(0, vocab, size=4).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
     with monkeypatch.context() as m:
         m.setattr(policies, "verify_sampled_chain", broken_rule)
         broken, _ = first_two(rt, prompt, cfg, seeds, mtp=True)
@@ -227,13 +225,10 @@ def test_the_depth_test_rejects_a_chain_that_tests_acceptance_against_the_next_t
     cfg = SamplerConfig(temperature=2.0, top_p=0.97)
     # Draft i tested against, and resampled from, p_{i+1} (`_broken_rules`).
     monkeypatch.setattr(policies, "verify_sampled_chain", target_one_position_late(policies.verify_sampled_chain))
-    for _ in range(5):
-        rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
-        prompt = rng.integers(0, V, size=4).tolist()
-        seeds = (int(rng.integers(1 << 40)) + np.arange(6000)).tolist()
-        res = mtplx_ext.generate_batched(rt, [prompt] * len(seeds), max_new_tokens=3, sampler=cfg, row_seeds=seeds, depth=depth)
-        if res.acceptance_rate > 0.2:  # a head that drafts usefully: the accept test matters
-            break
+    rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
+    prompt = rng.integers(0, V, size=4).tolist()
+    seeds = (int(rng.integers(1 << 40)) + np.arange(6000)).tolist()
+    res = mtplx_ext.generate_batched(rt, [prompt] * len(seeds), max_new_tokens=3, sampler=cfg, row_seeds=seeds, depth=depth)
     seqs = np.array([s.tokens for s in res.streams])
     idx = np.ravel_multi_index(tuple(seqs.T), (V,) * 3)
     assert g_test_pvalue(np.bincount(idx, minlength=V**3), expected_chain_joint(rt, prompt, cfg, 3)) < ALPHA_BROKEN

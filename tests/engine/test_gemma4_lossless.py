@@ -25,6 +25,7 @@ import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 from mtplx_ext.sampling import counts_with, distribution_from_logits
+import _seed
 
 N_NEW = 20
 
@@ -32,14 +33,14 @@ N_NEW = 20
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4_pair")
-    t, a = make_pair(folder, int(np.random.default_rng().integers(1 << 30)), repeat=0.25)
+    t, a = make_pair(folder, int(_seed.rng().integers(1 << 30)), repeat=0.25)
     return mtplx_ext.load(t, drafter=a)
 
 
 @pytest.fixture(scope="module")
 def refs(pair):
     """mlx-lm's greedy decoding of 8 prompts longer than the window, by prompt."""
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     prompts = [rng.integers(0, pair.vocab_size, size=int(rng.integers(WINDOW + 1, 4 * WINDOW))).tolist() for _ in range(8)]
     return [(p, *reference(pair, p, N_NEW)) for p in prompts]
 
@@ -91,7 +92,7 @@ def _chain_joint(rt, prompt: list[int], cfg: SamplerConfig, n: int) -> np.ndarra
 @pytest.fixture(scope="module")
 def small_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4_small")
-    t, a = make_pair(folder, int(np.random.default_rng().integers(1 << 30)), vocab=8, repeat=0.5)
+    t, a = make_pair(folder, int(_seed.rng().integers(1 << 30)), vocab=8, repeat=0.5)
     return mtplx_ext.load(t, drafter=a)
 
 
@@ -132,7 +133,7 @@ def test_a_pair_loaded_in_one_thread_decodes_in_another(tmp_path, refs):
     RoPE table outside its parameters) must be evaluated at load, or that thread fails on the loader's stream."""
     import threading
 
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(_seed.rng().integers(1 << 30))
     t, a = make_pair(tmp_path, seed, repeat=0.25)
     rt = mtplx_ext.load(t, drafter=a)  # loaded here, decoded on the thread below
     prompt = refs[0][0]

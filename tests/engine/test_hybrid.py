@@ -23,6 +23,7 @@ from _stats import ALPHA_EXACT, g_test_pvalue
 from mtplx_ext.cache import rollback as cache_state
 from mtplx_ext.ops import gated_delta
 from mtplx_ext.sampling import SamplerConfig, counts_with, distribution_from_logits
+import _seed
 
 FAMILIES = ["qwen3_next", "qwen3_5"]
 #: Batched vs single-stream forwards of the float32 test models differ by
@@ -33,7 +34,7 @@ STATE_TOL = 2e-4
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def _rt(family: str, rng: np.random.Generator, **kw):

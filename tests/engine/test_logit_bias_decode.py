@@ -22,11 +22,12 @@ import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 from mtplx_ext.sampling import biased_logits
+import _seed
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def last_logits(rt, toks: list[int]) -> np.ndarray:

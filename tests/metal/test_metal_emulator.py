@@ -22,6 +22,7 @@ import pytest
 import mtplx_ext
 from metal_shim import emulator
 from metal_shim.emulator import EmulatorError
+import _seed
 
 pytestmark = pytest.mark.skipif(
     emulator.clang() is None,
@@ -48,7 +49,7 @@ COVERED_ELSEWHERE = {
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def test_every_kernel_in_metal_dir_is_emulated_and_covered(emu):

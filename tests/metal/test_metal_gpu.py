@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import mtplx_ext
+import _seed
 
 pytestmark = [
     pytest.mark.metal,
@@ -27,7 +28,7 @@ DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 @pytest.mark.parametrize("tok_dtype", [mx.int32, mx.int64])

@@ -28,6 +28,7 @@ from mtplx_ext.cache import rollback
 from mtplx_ext.checkpoints import CheckpointError
 from mtplx_ext.models import gemma4_assistant as ga
 from mtplx_ext.models import gemma4_trunk
+import _seed
 
 TOL = 2e-5
 
@@ -35,7 +36,7 @@ TOL = 2e-5
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma4")
-    return make_pair(folder, int(np.random.default_rng().integers(1 << 30)))
+    return make_pair(folder, int(_seed.rng().integers(1 << 30)))
 
 
 def _close(got: np.ndarray, ref: np.ndarray, what: str) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import secrets
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -18,13 +16,14 @@ from mtplx_ext.models.packed_linear import (
     packing_available,
     unpack_cpu_linears,
 )
+import _seed
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="no vector FMA kernel on this CPU")
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = secrets.randbelow(2**31)
+    seed = _seed.fresh()
     print(f"random seed {seed}")
     return np.random.default_rng(seed)
 

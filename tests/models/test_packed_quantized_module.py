@@ -21,11 +21,12 @@ from mtplx_ext.models.packed_quantized import (
     unpack_cpu_quantized,
 )
 from mtplx_ext.ops import qlinear
+import _seed
 
 
 @pytest.fixture
 def seed() -> int:
-    s = int(np.random.default_rng().integers(1 << 30))
+    s = int(_seed.rng().integers(1 << 30))
     print(f"model seed {s}")
     return s
 

@@ -27,6 +27,7 @@ from mtplx_ext.ops.sampled_verify import row_uniforms
 from mtplx_ext.sampling import PARAM_COLUMNS, counts_with, row_is_valid, sample_from, transform_row
 from _ragged import fresh_seed
 from test_sampling_fused import cdf_ambiguous, host, kept_ambiguous, random_config, random_logits
+import _seed
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -163,7 +164,7 @@ def test_seeds_that_are_not_ints_are_rejected_naming_the_argument(bad):
 
 
 def test_numpy_integers_decode_as_python_ints_do_compiled_and_sampled():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     # The default test model: its compiled kernels are the ones other tests build too.
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed())
     V = rt.vocab_size
@@ -185,7 +186,7 @@ def test_numpy_integers_decode_as_python_ints_do_compiled_and_sampled():
 
 
 def test_numpy_numbers_work_where_python_numbers_do_in_the_other_entry_points(tmp_path):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     cfg = SamplerConfig(temperature=np.float32(0.5), top_k=np.int16(5), top_p=np.float64(0.9))
     assert cfg == SamplerConfig(temperature=0.5, top_k=5, top_p=0.9) and type(cfg.top_k) is int
     x = mx.array(rng.normal(size=(2, 3, 4, 8)).astype(np.float32))
@@ -223,7 +224,7 @@ def _sampled_args(B: int, V: int) -> tuple:
 
 @pytest.mark.parametrize("sampler", [SamplerConfig(), [], mx.zeros((0, 7))], ids=["config", "empty list", "packed"])
 def test_sampling_primitives_with_no_rows_name_the_logits(sampler):
-    V = int(np.random.default_rng().integers(1, 50))
+    V = int(_seed.rng().integers(1, 50))
     with pytest.raises(ValueError, match=r"^logits must have at least one row") as e:
         mtplx_ext.sample_tokens(mx.zeros((0, V)), mx.zeros((0,)), sampler)
     assert "\n" not in str(e.value)
@@ -233,7 +234,7 @@ def test_sampling_primitives_with_no_rows_name_the_logits(sampler):
 
 @pytest.mark.parametrize("sampler", [None, 5, 0.7, "greedy"])
 def test_sampling_primitives_without_a_sampler_config_name_the_sampler(sampler):
-    V = int(np.random.default_rng().integers(1, 50))
+    V = int(_seed.rng().integers(1, 50))
     with pytest.raises(TypeError, match=r"^sampler must be a SamplerConfig"):
         mtplx_ext.sample_tokens(mx.zeros((2, V)), mx.zeros((2,)), sampler)
     with pytest.raises(TypeError, match=r"^sampler must be a SamplerConfig"):

@@ -9,7 +9,6 @@ fixes, and the Metal kernels on the threadgroup emulator.
 
 from __future__ import annotations
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -38,13 +37,14 @@ from test_sampling_fused import (
     random_counts,
     random_logits,
 )
+import _seed
 
 KS = (1, 2, 3, 5, 8)
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def _run(fn, *args, **kw) -> np.ndarray:

@@ -8,8 +8,6 @@ the tested dtype, so the reference sees exactly what the kernel sees.
 
 from __future__ import annotations
 
-import secrets
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -21,6 +19,7 @@ from mtplx_ext.models import fused_modules, mlx_lm_patches
 from mtplx_ext.models.base import ZeroCentredRMSNorm
 from _attention import sdpa_ref
 from _poison import poison_allocator
+import _seed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 #: Unit roundoff of each dtype's storage.
@@ -31,7 +30,7 @@ TIE_TOL = 1e-4
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = secrets.randbelow(2**31)
+    seed = _seed.fresh()
     print(f"random seed {seed}")
     return np.random.default_rng(seed)
 

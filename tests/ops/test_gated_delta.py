@@ -19,6 +19,7 @@ from mlx_lm.models.gated_delta import gated_delta_ops
 import mtplx_ext
 from mtplx_ext.ops.gated_delta import gated_delta_capture
 from mtplx_ext.ops import threads
+import _seed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
@@ -26,7 +27,7 @@ TOL = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def make_inputs(rng, B, T, Hk, Hv, Dk, Dv, dtype=mx.float32, state_dtype=mx.float32):

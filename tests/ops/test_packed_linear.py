@@ -8,8 +8,6 @@ drops or repeats a term (the checks below make sure such a term exceeds it).
 
 from __future__ import annotations
 
-import secrets
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,13 +16,14 @@ from mtplx_ext.ops import linear as L
 from mtplx_ext.ops.threads import set_cpu_threads
 from _isa import ISAS, isa_fixture, runnable
 from _poison import poison_allocator
+import _seed
 
 U = 2.0**-24
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = secrets.randbelow(2**31)
+    seed = _seed.fresh()
     print(f"random seed {seed}")
     return np.random.default_rng(seed)
 

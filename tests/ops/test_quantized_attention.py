@@ -11,8 +11,6 @@ comparison rejecting each such variant of the reference.
 
 from __future__ import annotations
 
-import secrets
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -21,6 +19,7 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention as mlx_lm_
 import mtplx_ext
 from mtplx_ext.ops.threads import cpu_pool_jobs, set_cpu_threads
 from _attention import sdpa_ref
+import _seed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 UNIT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
@@ -28,7 +27,7 @@ UNIT = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = secrets.randbelow(2**31)
+    seed = _seed.fresh()
     print(f"random seed {seed}")
     return np.random.default_rng(seed)
 

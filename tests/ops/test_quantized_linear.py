@@ -12,8 +12,6 @@ that bound, so a kernel that lost one would fail.
 
 from __future__ import annotations
 
-import secrets
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -22,13 +20,14 @@ from mtplx_ext.ops import qlinear as Q
 from mtplx_ext.ops.threads import set_cpu_threads
 from _isa import ISAS, isa_fixture, runnable
 from _poison import poison_allocator
+import _seed
 
 SCALES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = secrets.randbelow(2**31)
+    seed = _seed.fresh()
     print(f"random seed {seed}")
     return np.random.default_rng(seed)
 

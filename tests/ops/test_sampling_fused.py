@@ -23,6 +23,7 @@ from mtplx_ext.sampling import (
     sample_from,
     transform_row,
 )
+import _seed
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 TOL = 1e-9
@@ -30,7 +31,7 @@ TOL = 1e-9
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def random_config(rng: np.random.Generator, V: int) -> SamplerConfig:

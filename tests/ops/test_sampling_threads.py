@@ -22,6 +22,7 @@ import mtplx_ext
 from mtplx_ext.sampling import SamplerConfig
 from mtplx_ext.ops import threads
 from test_sampling_fused import DTYPES, random_config, random_counts, random_logits
+import _seed
 
 PYTHON_DIR = str(Path(mtplx_ext.__file__).resolve().parent.parent)
 THREADS = (1, 2, 3)
@@ -29,7 +30,7 @@ THREADS = (1, 2, 3)
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import pytest
 
 import mtplx_ext
 from _poison import poison_allocator
+import _seed
 
 
 def bits(a: mx.array) -> np.ndarray:
@@ -33,7 +34,7 @@ def random_leaves(rng: np.random.Generator, B: int) -> list[mx.array]:
 
 @pytest.mark.parametrize("B", [1, 4, 9])
 def test_snapshot_is_bit_exact_for_mixed_leaves(B):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     leaves = random_leaves(rng, B)
     mx.eval(leaves)
     poison_allocator(sum(a.nbytes for a in leaves))
@@ -45,7 +46,7 @@ def test_snapshot_is_bit_exact_for_mixed_leaves(B):
 
 
 def test_snapshot_of_views_copies_the_viewed_values():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     base = mx.array(rng.standard_normal((6, 10, 4)).astype(np.float32))
     views = [base[:, 2:7], mx.swapaxes(base, 1, 2), base[::2]]
     snap = mtplx_ext.snapshot_state(views)
@@ -55,7 +56,7 @@ def test_snapshot_of_views_copies_the_viewed_values():
 
 @pytest.mark.parametrize("B", [1, 5, 16])
 def test_restore_with_row_mask_restores_exactly_the_marked_rows(B):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     before = random_leaves(rng, B)
     snap = mtplx_ext.snapshot_state(before)
     live = random_leaves(rng, B)  # the state after a verification forward
@@ -71,7 +72,7 @@ def test_restore_with_row_mask_restores_exactly_the_marked_rows(B):
 
 
 def test_restore_without_mask_returns_the_snapshot():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     snap = mtplx_ext.snapshot_state(random_leaves(rng, 3))
     live = random_leaves(rng, 3)
     out = mtplx_ext.restore_state(live, snap)
@@ -80,7 +81,7 @@ def test_restore_without_mask_returns_the_snapshot():
 
 
 def test_restore_leaves_its_inputs_unchanged():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     snap = mtplx_ext.snapshot_state(random_leaves(rng, 4))
     live = random_leaves(rng, 4)
     live_copy = [bits(a).copy() for a in live]

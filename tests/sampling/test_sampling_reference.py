@@ -21,11 +21,12 @@ from mtplx_ext.sampling import (
     transform_row,
     verify_one_token,
 )
+import _seed
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 def _random_config(rng: np.random.Generator, V: int) -> SamplerConfig:

@@ -21,6 +21,7 @@ import mtplx_ext
 from mtplx_ext.sampling import SamplerConfig, counts_with, distribution_from_logits, pack_params
 from _broken_rules import sampled_chain
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
+import _seed
 
 N = 100_000
 
@@ -109,7 +110,7 @@ SETTINGS = {
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    return np.random.default_rng()
+    return _seed.rng()
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))

@@ -9,6 +9,7 @@ import string
 import httpx
 import numpy as np
 import pytest
+import _seed
 
 anthropic = pytest.importorskip("anthropic")
 openai = pytest.importorskip("openai")
@@ -50,7 +51,7 @@ def _events(base: str, body: dict, headers: dict) -> list[tuple[str, dict]]:
 
 def test_messages_equal_the_chat_route_streamed_and_not(server):
     client = anthropic.Anthropic(base_url=server, api_key=KEY, timeout=120, max_retries=0)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     n = int(rng.integers(4, 16))
     user = "def " + "".join(rng.choice(list(string.ascii_lowercase), 6)) + "(a, b):"
     system = "# helpers"
@@ -130,7 +131,7 @@ def tool_app(tmp_path_factory):
 def test_tool_use_and_tool_result_round_trip_streamed_and_not(tool_app):
     a, eng, chat_tok = tool_app
     client = anthropic.Anthropic(base_url=a.base, api_key=KEY, timeout=60, max_retries=0)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     city = "".join(rng.choice(list(string.ascii_letters), 7))
     eng.reply = f'Checking.\n<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
     user = [{"role": "user", "content": f"Weather in {city}?"}]

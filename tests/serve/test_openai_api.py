@@ -9,6 +9,7 @@ import os
 import httpx
 import numpy as np
 import pytest
+import _seed
 
 openai = pytest.importorskip("openai")
 
@@ -38,7 +39,7 @@ def _submitted(base: str) -> int:
 
 def test_stream_usage_is_a_final_chunk_with_empty_choices_only_when_asked(server):
     client = _client(server)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     n = int(rng.integers(3, 12))
     prompt = "def " + "".join(rng.choice(list("abcdefgh"), 5)) + "(x):"
     ref = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)
@@ -124,7 +125,7 @@ def test_the_no_op_values_of_unimplemented_fields_are_accepted(server):
 
 def test_a_tool_loop_with_null_content_goes_through_the_template(server):
     client = _client(server)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     result = str(int(rng.integers(0, 10**6)))
     args = {"path": "/etc/" + os.urandom(2).hex()}
     tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
@@ -155,7 +156,7 @@ def test_x_api_key_is_accepted_beside_the_bearer_token(server):
 
 def test_per_request_mtp_depth_keeps_greedy_tokens_and_is_honoured(server):
     client = _client(server)
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     prompt = "class Stack:\n    def __init__(self):" + " " * int(rng.integers(0, 3))
     n = int(rng.integers(16, 32))
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0)

@@ -11,6 +11,7 @@ import httpx
 from _live_server import start, stop
 import numpy as np
 import pytest
+import _seed
 
 openai = pytest.importorskip("openai")
 
@@ -48,7 +49,7 @@ def _offline(rt, prompt_ids: list[int], max_tokens: int, sampler: SamplerConfig,
 
 
 def test_sixteen_concurrent_requests_all_complete_equal_to_the_offline_engine(server, shipped):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     snippets = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
                 "for i in range(10):", "    if not isinstance(", "try:\n    import", "def main(argv):", "# helpers\n"]
     jobs = []
@@ -188,7 +189,7 @@ HYBRID = Path(__file__).resolve().parents[2] / "bench" / "models" / "tiny-qwen3-
 @pytest.mark.skipif(not (HYBRID / "config.json").is_file(), reason="the trained hybrid model folder is not here")
 def test_a_hybrid_model_folder_is_served_equal_to_the_offline_engine():
     # qwen3_next trunk (GatedDeltaNet + attention layers) with its MTP head.
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     snippets = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):", "for i in"]
     jobs = [dict(prompt=s * int(rng.integers(1, 3)), max_tokens=int(rng.integers(4, 24)),
                  temperature=0.0 if i % 2 == 0 else 0.8, seed=int(rng.integers(0, 2**31)), stream=i % 3 == 0)

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import pytest
 from _live_server import start, stop
+import _seed
 
 openai = pytest.importorskip("openai")
 
@@ -43,7 +44,7 @@ def _offline(rt, ids: list[int], n: int) -> str:
 
 def test_greedy_requests_to_a_served_pair_equal_the_offline_engine_and_accept_drafts(pair):
     window = int(pair.trunk.args.sliding_window)
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(_seed.rng().integers(1 << 30))
     prompts = [pair.tokenizer.decode(p) for p in heldout_prompts(pair.tokenizer, 4, window + 16, seed=seed)]
     proc, base = start("--model", str(PAIR / "target"), "--drafter", str(PAIR / "assistant"),
                        "--depth", "2", "--max-batch", "4")

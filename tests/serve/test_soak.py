@@ -18,6 +18,7 @@ import time
 import httpx
 
 from _live_server import metrics, rss_bytes, start, stop, wait_idle
+import _seed
 
 N, CLIENTS, WARM = 300, 12, 60
 #: Resident memory the server may gain over the soak after its first WARM requests (KV, caches and
@@ -100,7 +101,7 @@ def _check(finish: str, n: int, body: dict) -> None:
 
 
 def test_soak_of_300_mixed_requests_leaves_nothing_behind_and_memory_bounded():
-    rng = random.Random()
+    rng = random.Random(_seed.fresh())
     jobs = [_job(rng) for _ in range(N)]
     proc, base = start("--max-batch", "8", "--prefix-cache-mb", "16")
     try:

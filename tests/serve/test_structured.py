@@ -14,6 +14,7 @@ import json
 import httpx
 import numpy as np
 import pytest
+import _seed
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -58,7 +59,7 @@ def json_schema_format(schema: dict) -> dict:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_json_schema_answers_validate_against_their_schema(server, temperature):
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     c = client(server)
     for prompt in rng.choice(PROMPTS, size=2, replace=False):
         r = c.chat.completions.create(
@@ -160,7 +161,7 @@ def test_anthropic_tool_choice_any_or_tool_forces_a_valid_tool_use(server, choic
     other = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
              "additionalProperties": False}
     tools = [{"name": "get_weather", "input_schema": schema}, {"name": "other", "input_schema": other}]
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     body = {"model": "tiny-qwen3-mtp", "max_tokens": 120, "tools": tools, "tool_choice": choice,
             "temperature": float(rng.choice([0.0, 0.9])),
             "messages": [{"role": "user", "content": str(rng.choice(PROMPTS))}]}

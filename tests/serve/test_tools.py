@@ -9,6 +9,7 @@ import string
 import jsonschema
 import numpy as np
 import pytest
+import _seed
 
 openai = pytest.importorskip("openai")
 
@@ -49,7 +50,7 @@ def _random_text(rng: np.random.Generator) -> str:
 
 
 def test_tool_stream_cuts_the_calls_out_of_any_chunking_and_keeps_all_other_text():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     fmt = tool_format(None)  # the Qwen-style <tool_call>{json}</tool_call> format
     for _ in range(60):
         texts, calls, reply = [], [], ""
@@ -120,7 +121,7 @@ def test_malformed_tool_loop_messages_are_refused(messages, needle):
 
 
 def test_forced_call_schema_accepts_exactly_calls_of_the_chosen_tools():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     city = "".join(rng.choice(list(string.ascii_letters), 6))
     good_weather = {"name": "get_weather", "arguments": {"city": city, "days": int(rng.integers(1, 9))}}
     good_now = {"name": "now", "arguments": {}}
@@ -168,7 +169,7 @@ def test_the_family_format_is_mlx_lms_parser_chosen_from_the_template(app):
 
 def test_a_tool_loop_round_trip_streamed_and_not_with_the_openai_client(app):
     a, eng, chat_tok = app
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     client = _client(a.base)
     city = "".join(rng.choice(list(string.ascii_letters), 8))
     days = int(rng.integers(1, 9))

@@ -30,6 +30,7 @@ import mtplx_ext
 from mtplx_ext.models import gemma4_trunk
 from mtplx_ext.models.gemma4_assistant import FrozenKV, frozen_kv
 from mtplx_ext.train import gemma4, gemma4_pair
+import _seed
 
 W = 6  # sliding window: the positions below run past it
 SHAPE = gemma4_pair.TargetShape(vocab_size=96, hidden=32, layers=6, heads=4, kv_heads=2, head_dim=8,
@@ -50,7 +51,7 @@ def _perturb(module, rng: np.random.Generator) -> None:
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A random pair (assistant narrower than the target) written as folders and loaded as the package loads them."""
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     mx.random.seed(fresh_seed())
     folder = tmp_path_factory.mktemp("gemma4_train_pair")
     target = gemma4_pair.build_target(SHAPE)
@@ -96,7 +97,7 @@ def _rel_err(steps: list[mx.array], ref: tuple[mx.array, mx.array], positions: l
 @pytest.fixture(scope="module")
 def case(pair):
     """Random tokens [B, T] and positions from 1 to T - 2 (before, at and past the window)."""
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     T = 4 * W + 3
     positions = [1, 2, W, W + 1, W + 2, 2 * W + int(rng.integers(0, W)), T - 2]
     tokens = mx.array(rng.integers(0, SHAPE.vocab_size, size=(len(positions), T)).astype(np.int32))
@@ -206,7 +207,7 @@ def test_the_trained_pair_decodes_greedy_mtp_exactly_as_the_target_alone(trained
     tcfg, acfg = trained
     rt = mtplx_ext.load(tcfg.out, drafter=acfg.out)
     assert rt.head_layout == "gemma4_assistant"
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     n = 16
     prompts = [rng.integers(0, rt.vocab_size, size=int(rng.integers(tcfg.sliding_window + 1, 4 * tcfg.sliding_window)))
                .tolist() for _ in range(3)]

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mtplx_ext.train.loop import lr_at, run_loop, sample_windows
+import _seed
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Opt:
 
 
 def test_the_loop_runs_the_step_budget_with_the_schedule_and_logs_every_tenth_step():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     cfg = Cfg(lr=float(rng.uniform(1e-4, 1e-2)), warmup=int(rng.integers(1, 6)), max_steps=int(rng.integers(21, 40)))
     opt, seen, losses = Opt(), [], rng.normal(size=cfg.max_steps)
 
@@ -59,7 +60,7 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 
 
 def test_windows_are_slices_of_the_stream():
-    rng = np.random.default_rng()
+    rng = _seed.rng()
     tokens = rng.permutation(1000).astype(np.int32)  # distinct: a window's start gives its place
     w = np.array(sample_windows(rng, tokens, 6, 17))
     assert w.shape == (6, 17)

@@ -11,6 +11,7 @@ from mlx.utils import tree_flatten
 import mtplx_ext
 from mtplx_ext import train
 from _ragged import fresh_seed
+import _seed
 
 
 def _ce(logits: mx.array, targets: mx.array) -> float:
@@ -25,7 +26,7 @@ def _ce(logits: mx.array, targets: mx.array) -> float:
 @pytest.mark.parametrize("depth", [1, 3])
 def test_the_depth_loss_is_the_mean_ce_of_the_head_applied_k_times_to_its_own_state(depth):
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
-    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 17)).astype(np.int32))
+    seq = mx.array(_seed.rng().integers(0, 64, size=(2, 17)).astype(np.int32))
     loss, (trunk_ce, head_ce1) = train.joint_loss(rt, seq, 1.0, 0.0, depth, train_trunk=False)
     # By hand: depth k sees the state of depth k - 1 and the true token t + k.
     inputs, targets = seq[:, :-1], seq[:, 1:]
@@ -41,7 +42,7 @@ def test_the_depth_loss_is_the_mean_ce_of_the_head_applied_k_times_to_its_own_st
 
 def test_with_several_mtp_modules_depth_k_trains_module_k_minus_1_and_each_gets_a_gradient():
     rt = mtplx_ext.init_random("deepseek_v3", seed=fresh_seed(), vocab_size=64, num_nextn_predict_layers=2)
-    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 13)).astype(np.int32))
+    seq = mx.array(_seed.rng().integers(0, 64, size=(2, 13)).astype(np.int32))
     loss, _ = train.joint_loss(rt, seq, 1.0, 0.0, 3, train_trunk=False)
     inputs, targets = seq[:, :-1], seq[:, 1:]
     _, hidden = rt.forward(inputs)
@@ -69,7 +70,7 @@ def test_added_mtp_modules_start_as_copies_of_the_last_and_train_on_their_own(tm
     rt = mtplx_ext.init_random(family, seed=fresh_seed(), vocab_size=64)
     add_mtp_modules(rt, 3)
     assert len(rt.mtp_modules) == 3
-    x = mx.array(np.random.default_rng().integers(0, 64, size=(2, 7)))
+    x = mx.array(_seed.rng().integers(0, 64, size=(2, 7)))
     _, h = rt.forward(x)
     first = rt.head_forward(h, x)
     assert all(mx.array_equal(first, rt.head_forward(h, x, module=i)).item() for i in (1, 2))
@@ -90,7 +91,7 @@ def test_added_mtp_modules_start_as_copies_of_the_last_and_train_on_their_own(tm
 def test_a_frozen_trunk_gets_no_gradient_and_the_head_does():
     rt = mtplx_ext.init_random("qwen3", seed=fresh_seed(), vocab_size=64)
     rt.trunk.freeze()
-    seq = mx.array(np.random.default_rng().integers(0, 64, size=(2, 9)).astype(np.int32))
+    seq = mx.array(_seed.rng().integers(0, 64, size=(2, 9)).astype(np.int32))
     _, grads = nn.value_and_grad(rt, lambda s: train.joint_loss(rt, s, 1.0, 0.5, 2, train_trunk=False)[0])(seq)
     names = [k for k, _ in tree_flatten(grads)]
     assert names and all(k.startswith("head.") for k in names), names[:5]
