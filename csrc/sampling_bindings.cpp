@@ -73,9 +73,9 @@ void bind_sampling(nb::module_& m) {
       "values"_a,
       "vocab"_a);
 
-  m.def("_cpu_threads", &cpu::cpu_threads);
-  m.def("_set_cpu_threads", &cpu::set_cpu_threads, "n"_a);
-  m.def("_cpu_pool_jobs", &cpu::pool_jobs);
+  m.def("cpu_threads", &cpu::cpu_threads);
+  m.def("set_cpu_threads", &cpu::set_cpu_threads, "n"_a);
+  m.def("cpu_pool_jobs", &cpu::pool_jobs);
 }
 
 } // namespace mtplx

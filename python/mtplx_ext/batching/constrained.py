@@ -72,15 +72,17 @@ def guide(reqs: Sequence[Any], vocab: int, positions: int) -> RowConstraints | N
     return RowConstraints(rows, vocab, positions) if any(c is not None for c in rows) else None
 
 
-def recomposed(eng: Any, reqs: Sequence[Any], policy: Any) -> None:
-    """Sets an `Engine`'s constraints of its recomposed batch (None without any) and the first mask.
+def recomposed(reqs: Sequence[Any], policy: Any, vocab: int, positions: int, mtp: bool, nxt: Any, info: Any
+               ) -> tuple[RowConstraints | None, Any, Any]:
+    """A recomposed batch's constraints (None without any), with its first mask set on `policy`.
 
-    One read of the batch's next tokens; forced drafts go into the engine's next tokens and draft logits.
+    One read of the batch's next tokens `nxt`. Returns (constraints, next
+    tokens, draft logits), forced drafts put in.
     """
-    g = eng._guide = guide(reqs, eng.vocab, eng.cycle_depth + 1 if eng.mtp else 1)
-    if g is not None:
-        eng._next, eng._info = mask_next(g, policy, np.array(eng._next), [True] * len(reqs), eng.mtp, eng._next,
-                                         eng._info)
+    g = guide(reqs, vocab, positions)
+    if g is None:
+        return None, nxt, info
+    return (g, *mask_next(g, policy, np.array(nxt), [True] * len(reqs), mtp, nxt, info))
 
 
 def mask_next(g: RowConstraints, policy: Any, host: np.ndarray, live: Sequence[bool], mtp: bool, nxt: Any,
@@ -108,16 +110,14 @@ def live_rows(reqs: Sequence[Any], st: Any) -> list[bool]:
     return [r.finish_reason is None and not st.done[i] for i, r in enumerate(reqs)]
 
 
-def after_cycle(eng: Any, p: Any, b: np.ndarray, live: Sequence[bool]) -> None:
-    """After an `Engine` cycle's read: the rows live before it commit, the rows still live get the next mask.
-
-    The engine's next tokens and draft logits get the forced drafts.
+def after_cycle(g: RowConstraints, policy: Any, p: Any, b: np.ndarray, live: Sequence[bool], still: Sequence[bool],
+                mtp: bool, nxt: Any, info: Any) -> tuple[Any, Any]:
+    """After a cycle's read (bundle `b` of pending cycle `p`): the rows `live` before it commit, the rows
+    `still` live get the next mask on `policy`. Returns the next (tokens, draft logits), forced drafts put in.
     """
-    g, mtp = eng._guide, eng.mtp
     commit_cycle(g, b, live, mtp)
     host = np.array(p.next_tokens) if mtp else b
-    eng._next, eng._info = mask_next(g, eng._batch.policy, host, live_rows(eng._live, eng._streams), mtp, eng._next,
-                                     eng._info)
+    return mask_next(g, policy, host, still, mtp, nxt, info)
 
 
 def commit_cycle(g: RowConstraints, b: np.ndarray, live: Sequence[bool], mtp: bool) -> None:

@@ -1,7 +1,6 @@
 """`Engine`: the continuous-batching loop (admit, prefill a chunk, recompose, one cycle).
 
-See the package docstring (`mtplx_ext.batching`) for what each engine step
-does and the memory rules; this module is the loop and its bookkeeping.
+What each step does and the memory rules: the package docstring (`mtplx_ext.batching`).
 """
 
 from __future__ import annotations
@@ -247,9 +246,6 @@ class Engine:
             if r.cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
 
-    def _fits(self, reqs: Sequence[Request]) -> bool:
-        return admission.fits([r.need for r in reqs], self.max_batch, self.max_kv_slots)
-
     def _prefill(self) -> None:
         """Prefills waiting requests in order, each alone: all that fit, or while streams decode at most
         `prefill_chunk` prompt tokens (short prompts whole, so that requests arriving together join together)."""
@@ -260,7 +256,7 @@ class Engine:
             if r.prefill is None:
                 if budget is not None and min(self.prefill_chunk, len(r.prompt)) > budget:
                     return  # its first chunk waits for the next step's budget
-                if not self._fits(held + [r]):
+                if not admission.fits([q.need for q in held + [r]], self.max_batch, self.max_kv_slots):
                     return  # waits (in order: nothing overtakes it)
                 self._start_prefill(r)
             tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
@@ -361,7 +357,8 @@ class Engine:
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
-        constrained.recomposed(self, reqs, batch.policy)  # sets _guide (and forced drafts in _next, _info)
+        self._guide, self._next, self._info = constrained.recomposed(
+            reqs, batch.policy, self.vocab, K + 1 if self.mtp else 1, self.mtp, self._next, self._info)
         self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
 
     per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)
@@ -443,7 +440,9 @@ class Engine:
             n = int(b[i, 1]) if self.mtp else None
             self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
         if self._guide is not None:
-            constrained.after_cycle(self, p, b, live)  # the next mask (and forced drafts in _next, _info)
+            still = constrained.live_rows(reqs, st)  # the rows' next mask; forced drafts go into the next tokens
+            self._next, self._info = constrained.after_cycle(self._guide, self._batch.policy, p, b, live, still, self.mtp,
+                                                             self._next, self._info)
 
     # -- host side of a request ---------------------------------------------------
 

@@ -61,7 +61,7 @@ def _args(config: dict, where: str) -> AssistantArgs:
     try:
         args = AssistantArgs.from_config(config)
     except (TypeError, KeyError, ValueError) as e:
-        raise CheckpointError(f"{where} does not describe a Gemma 4 assistant: {loading._one_line(e)}") from None
+        raise CheckpointError(f"{where} does not describe a Gemma 4 assistant: {loading.one_line(e)}") from None
     if args.use_ordered_embeddings:
         c, k, v = args.num_centroids, args.centroid_intermediate_top_k, args.text.vocab_size
         if c <= 0 or v % c:

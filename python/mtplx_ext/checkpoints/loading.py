@@ -100,7 +100,8 @@ def check_config(config: dict, where: str = "config") -> None:
         raise CheckpointError(f"{where}: rms_norm_eps must be a positive finite number, got {eps!r}")
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An exception's message as one line (its first), for errors that name a file."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -119,7 +120,7 @@ def read_safetensors(file: Path) -> dict[str, mx.array]:
     try:
         return mx.load(str(file))
     except Exception as e:  # MLX raises a bare RuntimeError / ValueError on a bad header
-        raise CheckpointError(f"{file} is not a readable safetensors file: {_one_line(e)}") from None
+        raise CheckpointError(f"{file} is not a readable safetensors file: {one_line(e)}") from None
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -204,7 +205,7 @@ def read_tokenizer(path: Path) -> Any:
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # tokenizers raises a bare Exception
-        raise CheckpointError(f"{file} is not a valid tokenizer file: {_one_line(e)}") from None
+        raise CheckpointError(f"{file} is not a valid tokenizer file: {one_line(e)}") from None
 
 
 def load_strict(module: nn.Module, weights: dict[str, mx.array], what: str, name_of: Callable[[str], str]) -> None:
@@ -352,7 +353,7 @@ def build_runtime(
     try:
         trunk = arch.Model(arch.ModelArgs.from_dict(config))
     except (TypeError, KeyError, ValueError, ZeroDivisionError) as e:
-        raise CheckpointError(f"{where} does not describe an mlx-lm {config['model_type']} model: {_one_line(e)}") from None
+        raise CheckpointError(f"{where} does not describe an mlx-lm {config['model_type']} model: {one_line(e)}") from None
     layout = config.get("mtp_head_layout", FAMILY_LAYOUT)
     named = layout is not FAMILY_LAYOUT and layout not in (None, "none")
     if layout is FAMILY_LAYOUT:

@@ -37,6 +37,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from mtplx_ext.models import mlx_lm_internals
+
 #: Bits per mask word.
 WORD = 32
 
@@ -291,7 +293,7 @@ class GrammarVocab:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None):
         import xgrammar as xgr
 
-        hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's wrapper holds the HF tokenizer
+        hf = mlx_lm_internals.hf_tokenizer(tokenizer)
         if not hasattr(hf, "backend_tokenizer"):  # a bare `tokenizers.Tokenizer` (a runtime's)
             from transformers import PreTrainedTokenizerFast
 

@@ -71,10 +71,10 @@ class _KeptSteps:
 
 
 def _kept_steps(runtime: Any) -> OrderedDict[tuple, tuple[Any, CompiledStep]]:
-    kept = getattr(runtime, "_mtplx_kept_steps", None)
+    kept = getattr(runtime, "mtplx_kept_steps", None)
     if not isinstance(kept, _KeptSteps):
         kept = _KeptSteps()
-        setattr(runtime, "_mtplx_kept_steps", kept)
+        setattr(runtime, "mtplx_kept_steps", kept)
     return kept.steps
 
 
@@ -300,7 +300,7 @@ class Cycle:
     def _signature(self) -> tuple:
         """What decides a compiled step's graph besides its kind and input shapes."""
         weights = tuple(id(a) for _, a in tree_flatten(self.rt.parameters()))
-        policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "_penalties", None))
+        policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "penalties", None))
         layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
         return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP, self.logprobs)
 

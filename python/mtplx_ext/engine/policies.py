@@ -274,7 +274,17 @@ class SampledPolicy(_BiasRows):
         cs = self._configs if self._configs is not None else [self._shared]
         return all(c.greedy and not c.has_penalties for c in cs)
 
-    def _setup(self, B: int, V: int) -> None:
+    @property
+    def penalties(self) -> bool:
+        """Whether the policy keeps token counts (some row has penalties; a scheduler's slots: as asked)."""
+        return bool(getattr(self, "_penalties", False))
+
+    def prepare(self, B: int, V: int, penalties: bool | None = None) -> None:
+        """Sizes the policy for B rows of a V-token vocabulary (once; later calls do nothing).
+
+        `penalties` overrides whether counts are kept (a scheduler's slots
+        keep them for rows loaded later); None: whether some row has penalties.
+        """
         if self._ready:
             return
         if self._configs is not None and len(self._configs) != B:
@@ -288,7 +298,7 @@ class SampledPolicy(_BiasRows):
         self._keys = row_keys(seeds)
         self._params = sampler_params(self.configs, B)
         cs = self._configs if self._configs is not None else [self._shared]
-        self._penalties = any(c.has_penalties for c in cs)
+        self._penalties = any(c.has_penalties for c in cs) if penalties is None else bool(penalties)
         self.set_bias(self._configs if self._configs is not None else [self._shared] * B)
         self._ready = True
 
@@ -301,8 +311,7 @@ class SampledPolicy(_BiasRows):
         `bias_width` gives it a [B, width] logit bias.
         """
         policy = cls([SamplerConfig()] * B, row_seeds=[0] * B)
-        policy._setup(B, vocab)
-        policy._penalties = bool(penalties)
+        policy.prepare(B, vocab, penalties)
         if bias_width is not None:
             policy.set_bias([SamplerConfig()] * B, bias_width)
         return policy
@@ -318,7 +327,7 @@ class SampledPolicy(_BiasRows):
         """Makes row b draw as stream b decoded alone: its seed's key, its sampler, its own step count.
 
         Args:
-            seeds: each row's seed (the key `row_keys` derives, as `_setup` does).
+            seeds: each row's seed (the key `row_keys` derives, as `prepare` does).
             samplers: each row's `SamplerConfig`.
             step_base: the cycle each row's own step count starts from.
             x0: [B] each row's next x0 (not counted yet).
@@ -367,7 +376,7 @@ class SampledPolicy(_BiasRows):
 
     def pick(self, logits: mx.array, step: Any = 0) -> mx.array:
         B, V = logits.shape
-        self._setup(B, V)
+        self.prepare(B, V)
         if self._penalties:
             if self.counts is None:
                 self.counts = mx.zeros((B, V), mx.int32)
@@ -384,7 +393,7 @@ class SampledPolicy(_BiasRows):
         self, head_logits: mx.array, step: Any = 0, position: int = 1, prefix: Sequence[mx.array] = ()
     ) -> tuple[mx.array, mx.array]:
         B, V = head_logits.shape
-        self._setup(B, V)
+        self.prepare(B, V)
         u = self.uniforms(step, [_CALL_DRAFT], position)[:, 0]
         extra = mx.stack(list(prefix), axis=1) if self._penalties and len(prefix) else None
         d = sample_tokens(
@@ -395,7 +404,7 @@ class SampledPolicy(_BiasRows):
     def verify(self, verify_logits: mx.array, tokens: mx.array, draft_info: mx.array, step: Any = 0) -> mx.array:
         B, T, V = verify_logits.shape
         K = T - 1
-        self._setup(B, V)
+        self.prepare(B, V)
         accepts = [self.uniforms(step, [_CALL_ACCEPT], i) for i in range(1, K + 1)]
         u = mx.concatenate(
             accepts + [self.uniforms(step, [_CALL_RESAMPLE]), self.uniforms(step + 1, [_CALL_PICK])], axis=1

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import gemma4_text
 
-from mtplx_ext.models import gemma4_trunk
+from mtplx_ext.models import gemma4_trunk, mlx_lm_internals
 
 LAYOUT = "gemma4_assistant"
 DEFAULT_HIDDEN_SOURCE = "post_norm"
@@ -195,7 +195,7 @@ def _slots(c: Any) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         S = p.capacity if p.capacity is not None else p.idx
         keys, values = c.dense()
         return keys[..., :S, :], values[..., :S, :], p.ends, p.left_padding
-    S = c._idx  # mlx-lm's BatchKVCache: every stream ends at the same slot
+    S = mlx_lm_internals.batch_cache_end(c)  # every stream of a BatchKVCache ends at the same slot
     pads = c.left_padding
     return c.keys[..., :S, :], c.values[..., :S, :], mx.full(pads.shape, S, mx.int32), pads
 

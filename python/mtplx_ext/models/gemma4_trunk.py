@@ -21,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtplx_ext.models import mlx_lm_internals
+
 #: mlx-lm families handled here.
 FAMILIES = ("gemma4_text",)
 
@@ -90,10 +92,10 @@ def hidden_and_kv(
     if inner.hidden_size_per_layer_input:
         # Clipped ids: an out-of-vocabulary id already poisons its row through `embeds`.
         ids = mx.clip(tokens, 0, inner.vocab_size - 1)
-        pli = inner._project_per_layer_inputs(h, inner._get_per_layer_inputs(ids))
+        pli = mlx_lm_internals.gemma4_per_layer_inputs(inner, h, ids)
         per_layer = [pli[:, :, i, :] for i in range(len(layers))]
     caches = [None] * len(layers) if cache is None else list(cache) + [None] * (len(layers) - len(cache))
-    masks = inner._make_masks(h, caches)
+    masks = mlx_lm_internals.gemma4_masks(inner, h, caches)
     inter: list[tuple[Any, Any]] = [(None, None)] * len(layers)
     for i, (layer, c, mask, src, pl) in enumerate(zip(layers, caches, masks, inner.previous_kvs, per_layer)):
         kvs, offset = inter[src]

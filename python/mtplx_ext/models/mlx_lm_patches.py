@@ -78,10 +78,10 @@ def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) 
     base_name, func = where
     base = importlib.import_module(base_name)
     original = getattr(base, func)
-    if getattr(original, "_mtplx_router", False):
+    if getattr(original, "mtplx_router", False):
         return (func, original, original, [])
     router = make_router(original)
-    router._mtplx_router = True  # type: ignore[attr-defined]
+    router.mtplx_router = True  # type: ignore[attr-defined]
     modules = []
     for name, mod in list(sys.modules.items()):
         if mod is None or not (name == base_name or name.startswith("mlx_lm.models.")):

@@ -98,9 +98,10 @@ class Capture:
     """Per-cache captures of one verification forward (see `capture`)."""
 
     by_cache: dict[int, LayerCapture] = field(default_factory=dict)
-    # id(state array) -> id(cache), taken when the capture starts.
-    _state_ids: dict[int, int] = field(default_factory=dict, init=False)
-    _conv: mx.array | None = field(default=None, init=False)
+    #: id(state array) -> id(cache), taken when the capture starts.
+    state_ids: dict[int, int] = field(default_factory=dict, init=False)
+    #: The conv input of the layer running now (its [old conv state, inputs]), taken by the conv recorder.
+    conv: mx.array | None = field(default=None, init=False)
 
     def of(self, cache: Any) -> LayerCapture:
         """The capture of a recurrent cache; KeyError if its layer did not run."""
@@ -132,7 +133,7 @@ def capture(recurrent_caches: Sequence[Any]) -> Iterator[Capture]:
     cap = Capture()
     for c in recurrent_caches:
         if c[1] is not None:
-            cap._state_ids[id(c[1])] = id(c)
+            cap.state_ids[id(c[1])] = id(c)
     _active.append(cap)
     try:
         yield cap
@@ -190,24 +191,24 @@ def _make_router(original: Callable) -> Callable:
             state = mx.zeros((B, v.shape[2], v.shape[3], Dk), dtype=mx.float32)
         y, states = _ext.gated_delta_capture(q, k, v, g, beta, state)
         if cap is not None:
-            cache_id = cap._state_ids.get(id(state))
-            if cache_id is None or cap._conv is None:
+            cache_id = cap.state_ids.get(id(state))
+            if cache_id is None or cap.conv is None:
                 raise RuntimeError("gated-delta capture: a layer's state or conv input is not one of the captured caches'")
-            cap.by_cache[cache_id] = LayerCapture(cap._conv, states)
-            cap._conv = None
+            cap.by_cache[cache_id] = LayerCapture(cap.conv, states)
+            cap.conv = None
         return y, states[:, -1]
 
-    routed_gated_delta_update._mtplx_router = True  # type: ignore[attr-defined]
+    routed_gated_delta_update.mtplx_router = True  # type: ignore[attr-defined]
     return routed_gated_delta_update
 
 
 def _conv_recorder(original: Callable) -> Callable:
     def call(self: nn.Conv1d, x: mx.array) -> mx.array:
         if _active:
-            _active[-1]._conv = x  # the GatedDeltaNet's [old conv state, inputs]
+            _active[-1].conv = x  # the GatedDeltaNet's [old conv state, inputs]
         return original(self, x)
 
-    call._mtplx_router = True  # type: ignore[attr-defined]
+    call.mtplx_router = True  # type: ignore[attr-defined]
     return call
 
 

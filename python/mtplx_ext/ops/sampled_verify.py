@@ -37,7 +37,7 @@ from mtplx_ext._checks import (
 )
 from mtplx_ext.sampling import PARAM_COLUMNS, SamplerConfig, pack_params
 
-_ext._cpu_threads()  # validates MTPLX_CPU_THREADS up front (ValueError)
+_ext.cpu_threads()  # validates MTPLX_CPU_THREADS up front (ValueError)
 
 SamplerArg = SamplerConfig | Sequence[SamplerConfig] | mx.array
 #: Most extra tokens sample_tokens counts (x0 and up to MAX_DRAFTS - 1 chained drafts).

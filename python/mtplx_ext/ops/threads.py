@@ -14,17 +14,17 @@ from mtplx_ext._checks import as_int
 
 def cpu_threads() -> int:
     """Threads the CPU kernels use now (ValueError for a bad MTPLX_CPU_THREADS)."""
-    return int(_ext._cpu_threads())
+    return int(_ext.cpu_threads())
 
 
 def set_cpu_threads(n: int) -> int:
     """Uses `n` threads from now on (0: back to the default); returns the previous override."""
-    return int(_ext._set_cpu_threads(as_int("n", n)))
+    return int(_ext.set_cpu_threads(as_int("n", n)))
 
 
 def cpu_pool_jobs() -> int:
     """Jobs the pool has run in this process (to check that a kernel went parallel)."""
-    return int(_ext._cpu_pool_jobs())
+    return int(_ext.cpu_pool_jobs())
 
 
 __all__ = ["cpu_pool_jobs", "cpu_threads", "set_cpu_threads"]

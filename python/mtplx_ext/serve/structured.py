@@ -27,20 +27,23 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from typing import Any
 
 from mtplx_ext.serve import tools
 from mtplx_ext.serve.errors import BadRequest
 
 _lock = threading.Lock()
+#: Each served API's grammar vocabulary, built at its first structured request (seconds for a large vocabulary).
+_vocabs: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def grammar_vocab(api: Any) -> Any:
     """The API's `GrammarVocab` (built on first use)."""
-    gv = getattr(api, "_grammar_vocab", None)
+    gv = _vocabs.get(api)
     if gv is None:
         with _lock:
-            gv = getattr(api, "_grammar_vocab", None)
+            gv = _vocabs.get(api)
             if gv is None:
                 try:
                     from mtplx_ext.engine.constraint import GrammarVocab
@@ -48,7 +51,7 @@ def grammar_vocab(api: Any) -> Any:
                     raise BadRequest(f"structured outputs need xgrammar (pip install 'mtplx-ext[serve]'): {e}",
                                      "response_format") from None
                 gv = GrammarVocab(api.tokenizer, api.engine.vocab, list(api.eos_ids) or None)
-                api._grammar_vocab = gv
+                _vocabs[api] = gv
     return gv
 
 
