@@ -10,6 +10,7 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark import format_table, heldout_prompts, mlx_lm_model, run_bench, write_plot
+from mtplx_ext.benchmark.provenance import provenance
 from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import (
     Stdout,
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     report["command"] = "mtplx-ext " + " ".join(args.argv)
     if "auto" in args.depth:
         report["calibration_key"] = autodepth.calibration_key(rt)
+    report["provenance"] = provenance([args.model, args.drafter] if args.drafter else [args.model])
     if dist is not None:
         report["distributed"] = {"parallel": dist.parallel, "ranks": dist.group.size()}
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name
