@@ -1,5 +1,7 @@
 """The README and docs/ as a newcomer reads them: short, the two commands first, every relative link resolving.
 
+The benchmark record (bench/RESULTS.md and its archived notebook) is link-checked too.
+
 A relative link resolves when its file exists inside the repository and,
 for a `#fragment` into a Markdown file (or the page itself), when that file
 has a heading whose GitHub anchor is the fragment. Links inside fenced code
@@ -84,7 +86,8 @@ def broken_links(page: Path, text: str | None = None, root: Path = ROOT) -> list
 
 
 def _pages() -> list[Path]:
-    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    bench = [ROOT / "bench" / "RESULTS.md", ROOT / "bench" / "results" / "archive" / "NOTEBOOK.md"]
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md")), *bench]
 
 
 def test_every_relative_link_in_the_readme_and_docs_resolves():
