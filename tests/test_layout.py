@@ -1,6 +1,6 @@
 """The package's architecture as a test: one-way imports between layers, no cycles, small modules.
 
-The layer order is stated once, here (the README's Development section
+The layer order is stated once, here (docs/architecture.md's Layers section
 describes it): a module may import its own layer and the layers below it,
 never a layer above, and the import graph of the package's modules has no
 cycle (imports inside functions count: a deferred import is still a

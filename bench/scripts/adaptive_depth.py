@@ -31,6 +31,7 @@ from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
 from mtplx_ext.benchmark import harness
 from mtplx_ext.shipped import SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 MODES = ("adaptive", "calibrated")
 
@@ -98,7 +99,7 @@ def main() -> None:
     if a.json:
         a.json.write_text(json.dumps({"command": "python bench/scripts/adaptive_depth.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items() if v is not None and k != "json"),
-            "versions": harness.versions(), "rows": rows}, indent=1))
+            "versions": harness.versions(), "rows": rows, "provenance": provenance([a.model])}, indent=1))
 
 
 if __name__ == "__main__":

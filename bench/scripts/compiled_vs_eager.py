@@ -16,7 +16,7 @@ import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 import argparse
 import statistics
 
-from mtplx_ext.cli import BENCH_PROMPTS, SHIPPED_MODEL
+from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ import mlx.core as mx
 
 from mtplx_ext.engine.constraint import GrammarVocab
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids
+from mtplx_ext.benchmark.provenance import provenance
 
 SCHEMA = {
     "type": "object",
@@ -75,7 +76,7 @@ def main() -> None:
                 runs[m].append(per_prompt)
     base = runs["plain+json"]
     out = {"model": args.model, "mlx": mx.__version__, "machine": platform.machine(), "tokens": args.tokens,
-           "prompts": args.prompts, "repeats": args.repeats, "methods": {}}
+           "prompts": args.prompts, "repeats": args.repeats, "methods": {}, "provenance": provenance([args.model])}
     print(f"model {args.model}, batch 1, greedy, {args.prompts} prompts x {args.repeats} repeats, medians")
     print(f"{'method':>10s} {'tok/s':>8s} {'x plain+json':>12s} {'accepted/cycle':>14s} {'ms/cycle':>9s} {'mask ms/cycle':>13s}")
     for m, _ in methods:

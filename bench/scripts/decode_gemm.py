@@ -51,6 +51,7 @@ from mtplx_ext import _blas
 from mtplx_ext.ops.linear import pack_linear_weight, packed_linear
 from mtplx_ext.ops.threads import set_cpu_threads
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
+from mtplx_ext.benchmark.provenance import provenance
 
 import fma_peak  # (this folder)
 
@@ -213,7 +214,7 @@ def main() -> None:
             "read_bandwidth": [bw0, bw1], "floor_s": floor, "sgemm_flops_one_core": rate, "fma_peak_flops": peak, "cores": cores, "split_bytes": split_bytes,
             "median_pass_s": {f"{s}|{m}": med[s, m] for s in SETTINGS for m in rows},
             "least_cpu_s": {f"{s}|{m}": cpu[s, m] for s in SETTINGS for m in rows},
-            "load_average_after": os.getloadavg(),
+            "load_average_after": os.getloadavg(), "provenance": provenance([args.model]),
         }, indent=1))
 
 

@@ -52,6 +52,7 @@ from mtplx_ext.models.mlx_lm_patches import patch_mlx_lm_ops
 from mtplx_ext.ops.greedy_verify import verify_greedy_chain
 from mtplx_ext.shipped import SHIPPED_MODEL
 from mtplx_ext import benchmark
+from mtplx_ext.benchmark.provenance import provenance
 
 PREFILL = 64
 
@@ -236,6 +237,7 @@ def main() -> None:
               "the weight-streaming floor", flush=True)
         report["batches"][batch] = {"plain": e2e["plain"], "plain_step_ms": cost["plain_ms"], "depths": rows}
     if args.json:
+        report["provenance"] = provenance([args.model])
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:

@@ -52,6 +52,7 @@ from mtplx_ext import _blas, generate_greedy_batched
 from mtplx_ext.benchmark import combined_runs, encode_prompts, engine_run, heldout_prompts, prompt_groups
 from mtplx_ext.checkpoints import load, sharded
 from mtplx_ext.shipped import BENCH_PROMPTS
+from mtplx_ext.benchmark.provenance import provenance
 
 COLLECTIVES = ("all_sum", "all_gather", "send", "recv_like", "recv")
 
@@ -258,6 +259,7 @@ def main() -> int:
     for r in [single] + ranks:
         print(f"memory ranks={r['ranks']} rank {r['rank']}: {r['memory']}")
     if args.json:
+        report["provenance"] = provenance([args.model])
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mtplx_ext import benchmark
+from mtplx_ext.benchmark.provenance import provenance
 
 
 def summary_table(report: dict) -> str:
@@ -102,6 +103,7 @@ def main() -> None:
     print()
     print(summary_table(report))
     if args.json:
+        report["provenance"] = provenance([args.target, args.assistant])
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}", file=sys.stderr)
 

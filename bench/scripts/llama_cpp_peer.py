@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import mtplx_ext  # before mlx, so MLX gets the fast BLAS
+from mtplx_ext.benchmark.provenance import provenance
 
 VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
@@ -318,6 +319,7 @@ def main() -> None:
     report["versions"]["llama.cpp_build"] = next(
         (r["llama_cpp"]["build_commit"] for r in report.get("rows", []) if r["llama_cpp"]), None)
     if args.json:
+        report["provenance"] = provenance([m for m in (args.model, args.q4, args.q8) if m is not None])
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
 

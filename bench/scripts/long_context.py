@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from mtplx_ext import benchmark, generate_greedy_batched
 from mtplx_ext.shipped import SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 
 def kv_bytes_per_token(rt, kv_bits: int | None) -> float:
@@ -94,7 +95,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"command": "python bench/scripts/long_context.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json"),
-                "versions": benchmark.versions(), "rows": rows}, f, indent=1)
+                "versions": benchmark.versions(), "rows": rows, "provenance": provenance([args.model])}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from mtplx_ext import benchmark
 from mtplx_ext.benchmark.harness import combined_runs, engine_run, prompt_groups
 from mtplx_ext.models.packed_linear import unpack_cpu_linears
 from mtplx_ext.shipped import SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 LAYOUTS = ("packed", "row-major")
 
@@ -80,6 +81,7 @@ def main() -> None:
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k not in ("model", "json")),
             "versions": benchmark.versions(),
             "tokens_per_s": {f"{layout}|{b}|{k}": med[layout, b, k] for layout in LAYOUTS for b in batches for k in settings},
+            "provenance": provenance([args.model]),
         }, indent=1))
 
 

@@ -20,6 +20,7 @@ import mtplx_ext  # first: loads the fast BLAS before mlx.core
 from mtplx_ext import benchmark
 from mtplx_ext.batching import Engine
 from mtplx_ext.shipped import SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 
 def conversation(eng: Engine, system: list[int], messages: list[list[int]], reply: int) -> list[dict]:
@@ -74,7 +75,8 @@ def main() -> None:
               f"{a_['ttft_s'] * 1e3:.1f} | {b_['ttft_s'] * 1e3:.1f} | {a_['ttft_s'] / b_['ttft_s']:.2f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"rows": rows, "same_replies": same, "versions": benchmark.versions()}, f, indent=2)
+            json.dump({"rows": rows, "same_replies": same, "versions": benchmark.versions(),
+                       "provenance": provenance([a.model])}, f, indent=2)
 
 
 if __name__ == "__main__":

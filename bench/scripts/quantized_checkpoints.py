@@ -21,6 +21,7 @@ from mtplx_ext import train
 from mtplx_ext.checkpoints import convert
 from mtplx_ext.shipped import BENCH_PROMPTS, EOS_TOKEN, SHIPPED_MODEL
 from mtplx_ext import benchmark
+from mtplx_ext.benchmark.provenance import provenance
 
 #: name -> convert keyword arguments.
 VARIANTS = {
@@ -89,7 +90,8 @@ def main() -> None:
             f"{r['b8_mtp_tps'] / r['b8_plain_tps']:.2f} |"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": list(rows.values()), "versions": benchmark.versions()}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"rows": list(rows.values()), "versions": benchmark.versions(),
+                                               "provenance": provenance([None])}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import mlx.core as mx
 from mtplx_ext.benchmark import bandwidth, harness
 from mtplx_ext.models.packed_linear import PackedLinear
 from mtplx_ext.models.packed_quantized import PackedQuantizedLinear
+from mtplx_ext.benchmark.provenance import provenance
 
 
 def prefill_s(rt, prompt: list[int]) -> float:
@@ -124,6 +125,7 @@ def main() -> None:
                                          for d, v in per.items()))
         report["models"][f] = m
     if a.json:
+        report["provenance"] = provenance(folders)
         a.json.write_text(json.dumps(report, indent=1))
 
 

@@ -18,6 +18,7 @@ import time
 import mtplx_ext  # first: loads the fast BLAS before mlx.core
 from mtplx_ext.batching import Engine
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 
 def run(eng: Engine, prompts: list[list[int]], tokens: int, depth: int) -> dict:
@@ -60,7 +61,8 @@ def main() -> None:
         print(f"| {r['depth']} | {r['cycles']} | {r['accepted']} | {r['tokens_per_s']:.1f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "same_tokens": same, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(a), "same_tokens": same, "rows": rows, "provenance": provenance([a.model])}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

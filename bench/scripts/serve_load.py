@@ -30,6 +30,7 @@ import httpx
 import numpy as np
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s
 from mtplx_ext.shipped import SHIPPED_MODEL
+from mtplx_ext.benchmark.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -178,6 +179,7 @@ def main() -> None:
         print(f"| {c} | {cells} | {ratio:.2f}x | {lat} | {sum(r['failed'] for r in rows.values())} |")
     if a.json:
         report["floor"] = {"weight_bytes": trunk_bytes, "read_bandwidth": bw}
+        report["provenance"] = provenance([a.model])
         Path(a.json).write_text(json.dumps(report, indent=2))
 
 

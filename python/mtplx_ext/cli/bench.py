@@ -10,6 +10,7 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark import format_table, heldout_prompts, mlx_lm_model, run_bench, write_plot
+from mtplx_ext.benchmark.provenance import provenance
 from mtplx_ext.cli import common, parallel
 from mtplx_ext.cli.common import (
     Stdout,
@@ -20,6 +21,7 @@ from mtplx_ext.cli.common import (
     seed_flag,
     tokenizer,
 )
+from mtplx_ext.engine import autodepth
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 
@@ -38,6 +40,7 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--tokens", type=positive("--tokens"), default=128, help="new tokens per stream")
     b.add_argument("--depth", type=depths_flag, default=["auto"],
                    help="MTP depths to sweep, e.g. 1,2,3,4,5,auto (default auto: the fastest depth here)")
+    common.add_recalibrate_flag(b)
     b.add_argument(
         "--heldout", type=positive("--heldout"), default=0,
         help="N prompts cut at random from held-out Python stdlib files (not trained on) instead of the bench's own",
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
         if path is not None:
             check_writable(flag, path)
+    common.apply_recalibrate(args)
     dist = parallel.start(args)  # before stdout is taken: ranks > 0 print nothing
     out = Stdout()
     rt = common.load_model(args.model, need_mtp=True, drafter=args.drafter, **parallel.load_kwargs(dist),
@@ -68,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = heldout_prompts(tok, args.heldout, args.prompt_tokens, seed=args.seed) if args.heldout else None
     with parallel.guard(dist):
         if "auto" in args.depth:
+            print(f"--depth auto: {common.calibration_note(rt)}", file=sys.stderr)
             parallel.agree_depth(dist, rt, args.batch, args.enforce_eager)
         report = run_bench(
             rt, tok, args.batch, args.tokens, args.repeats, progress=not args.no_progress, baseline=baseline,
@@ -75,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
         )
         parallel.finish(dist)
     report["command"] = "mtplx-ext " + " ".join(args.argv)
+    if "auto" in args.depth:
+        report["calibration_key"] = autodepth.calibration_key(rt)
+    report["provenance"] = provenance([args.model, args.drafter] if args.drafter else [args.model])
     if dist is not None:
         report["distributed"] = {"parallel": dist.parallel, "ranks": dist.group.size()}
     report["model"] = str(Path(args.model).resolve()) if args.model else "shipped:" + SHIPPED_MODEL.name

@@ -16,6 +16,7 @@ from mtplx_ext.benchmark import encode_prompts
 from mtplx_ext.cache.compiled_step import mlx_kernel_cache_dir
 from mtplx_ext.cache.ragged import KV_BITS, KV_GROUP_SIZES
 from mtplx_ext.checkpoints import load
+from mtplx_ext.engine import autodepth
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 
@@ -271,6 +272,26 @@ def depth_flag(text: str) -> int | str:
     if not 1 <= d <= MAX_DRAFTS:
         raise argparse.ArgumentTypeError(f"--depth must be in 1..{MAX_DRAFTS}, got {d}")
     return d
+
+
+def add_recalibrate_flag(p: Any) -> None:
+    """`--recalibrate`: with --depth auto, measure the depth calibration anew (as MTPLX_RECALIBRATE=1)."""
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --depth auto: measure the depth calibration anew instead of reading the cached one "
+                        "(as MTPLX_RECALIBRATE=1)")
+
+
+def apply_recalibrate(args: argparse.Namespace) -> None:
+    """Honours `--recalibrate` for this process (before any "auto" depth is chosen)."""
+    if getattr(args, "recalibrate", False):
+        autodepth.request_recalibration()
+
+
+def calibration_note(rt: Any) -> str:
+    """Where "auto" depth's calibration of `rt` lives: its key, and its folder unless it is measured anew."""
+    key = autodepth.calibration_key(rt)
+    how = "measured anew" if autodepth.recalibration_requested() else f"kept in {autodepth.cache_dir() / 'depth'}"
+    return f"calibration key {key} ({how})"
 
 
 def depths_flag(text: str) -> list[int | str]:

@@ -42,6 +42,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="decode --max-tokens tokens whatever the model emits")
     g.add_argument("--depth", type=depth_flag, default="auto",
                    help="MTP drafts per cycle, 1..8, or auto (default: the fastest here, plain where MTP would not pay)")
+    common.add_recalibrate_flag(g)
     g.add_argument("--enforce-eager", action="store_true", help="build every decode step in Python (no mx.compile)")
     parallel.add_flags(g)
     g.set_defaults(func=run)
@@ -66,6 +67,7 @@ def decode(rt: Any, prompts: list[list[int]], args: argparse.Namespace, on_commi
 def run(args: argparse.Namespace) -> int:
     texts = args.prompt or [DEFAULT_PROMPT]
     check_prompt_text(texts)
+    common.apply_recalibrate(args)
     dist = parallel.start(args)  # before stdout is taken: ranks > 0 print nothing
     out = Stdout()
     if not args.enforce_eager and common.mlx_kernel_cache_is_cold():
@@ -99,11 +101,13 @@ def run(args: argparse.Namespace) -> int:
     if args.no_mtp:
         mode = "plain decoding"
     elif res.depth == 0:
-        mode = f"plain decoding (--depth auto: MTP does not pay at batch {len(prompts)} on this model here)"
+        mode = (f"plain decoding (--depth auto: MTP does not pay at batch {len(prompts)} on this model here; "
+                f"{common.calibration_note(rt)})")
     else:
         per_depth = "/".join(f"{a:.2f}" for a in res.acceptance_per_depth)
+        auto = f" (auto, {common.calibration_note(rt)})" if args.depth == "auto" else ""
         mode = (
-            f"MTP depth {res.depth}{' (auto)' if args.depth == 'auto' else ''}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
+            f"MTP depth {res.depth}{auto}, acceptance {res.acceptance_rate:.2f} (per depth {per_depth}), "
             f"mean accepted length {res.mean_accepted_length:.2f}"
         )
     prompt_tokens = sum(len(p) for p in prompts)

@@ -26,6 +26,7 @@ def add_parser(sub: Any) -> None:
                    help="most streams decoding at once")
     s.add_argument("--depth", type=depth_flag, default="auto",
                    help="MTP drafts per cycle, 1..8, or auto (default: the fastest for a full batch here; plain where MTP would not pay)")
+    common.add_recalibrate_flag(s)
     s.add_argument("--no-mtp", action="store_true", help="plain autoregressive decoding (the baseline)")
     s.add_argument("--max-kv-slots", type=positive("--max-kv-slots"), help="most KV slots of the running batch")
     s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=limits.DEFAULT_PREFILL_CHUNK)
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--shutdown-grace must be in [0, 3600] seconds, got {args.shutdown_grace}")
     if not 0 < args.max_body_mb <= 1024:
         raise CLIError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb}")
+    common.apply_recalibrate(args)
     dist = parallel.start(args)  # rank 0 answers HTTP; the others step its engine in lockstep
     sock = None
     if dist is None or dist.group.rank() == 0:
@@ -67,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
                                **parallel.load_kwargs(dist), kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
         folder = Path(args.model) if args.model else SHIPPED_MODEL
         if args.depth == "auto" and not args.no_mtp:
+            print(f"mtplx-ext serve: --depth auto, {common.calibration_note(rt)}", file=sys.stderr, flush=True)
             parallel.agree_depth(dist, rt, [args.max_batch])
         serve(rt, folder, max_batch=args.max_batch, depth=args.depth, use_mtp=not args.no_mtp,
               api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,

@@ -15,6 +15,12 @@ the most tokens per second for a given acceptance (the calibration's, or one
 observed since). K = 0 wins wherever MTP would lose, so `auto` never decodes
 slower than MTP off by more than the measurement's noise.
 
+A calibration is cached under `calibration_key`: a hash of what it depends
+on (the model's config and a fingerprint of its weights, the CPU model and
+core count, the BLAS, the library versions), so another head, another
+machine or another MLX measures anew. MTPLX_RECALIBRATE=1 (the CLI's
+`--recalibrate`) measures anew regardless.
+
 Greedy tokens never depend on K (every depth is lossless), and sampled
 decoding is exact at every K, so the choice changes speed only.
 """
@@ -26,6 +32,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,7 +48,7 @@ MAX_AUTO_DEPTH = 5
 #: Tokens per stream of each calibration decode.
 CALIBRATION_TOKENS = 24
 #: Format of the cached calibration files.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
 
 #: (prompts, max_new_tokens, depth or 0 for plain) -> (decode seconds, cycles, accepted_at, reached).
 Decode = Callable[[list[list[int]], int, int], tuple[float, int, list[int], list[int]]]
@@ -195,29 +202,117 @@ def calibrate(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_AUT
                       acceptance=acceptance)
 
 
-def _machine_key(runtime: Any) -> str:
-    """What the costs depend on: the model's config and size, the machine, the libraries."""
+def cpu_model() -> str:
+    """The CPU's model name: /proc/cpuinfo on Linux, `sysctl machdep.cpu.brand_string` on macOS,
+    `platform.processor()` elsewhere (or where those fail); "" when nothing names it."""
+    system = platform.system()
+    if system == "Linux":
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    name, _, value = line.partition(":")
+                    if name.strip() in ("model name", "Processor", "cpu model", "Hardware"):
+                        return value.strip()
+        except OSError:
+            pass
+    elif system == "Darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                 timeout=5, check=False)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or ""
+
+
+#: Elements sampled per array by `weights_fingerprint`.
+FINGERPRINT_SAMPLES = 256
+
+
+def weights_fingerprint(runtime: Any, samples: int = FINGERPRINT_SAMPLES) -> str:
+    """A short hash of the weights the runtime decodes with (16 hex digits).
+
+    It hashes every parameter's name, shape and dtype and the bytes of
+    `samples` elements taken at an even stride through the array (all of
+    them for a small one), so two checkpoints of one architecture (another
+    head after self-distillation, another fine-tune) get different
+    fingerprints while the cost stays about a millisecond however large the
+    model. The runtime does not record the folder it came from, and its
+    weights need not be that folder's (a head added with `--mtp-from`, a
+    `--drafter`, a distributed rank's shard, weights trained in this process),
+    so the parameters themselves are hashed, not files. A change confined to
+    elements the stride skips goes unseen: `MTPLX_RECALIBRATE=1` (or
+    `--recalibrate`) measures anew whatever the key says.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    items = sorted(tree_flatten(runtime.parameters()), key=lambda kv: kv[0])
+    picked = []
+    for _, v in items:
+        flat = v.reshape(-1)
+        stride = max(1, flat.size // max(int(samples), 1))
+        picked.append(flat[::stride][:samples].view(mx.uint8))
+    mx.eval(picked)
+    h = hashlib.sha256()
+    for (name, v), s in zip(items, picked):
+        h.update(f"{name}:{tuple(v.shape)}:{v.dtype};".encode())
+        h.update(np.array(s).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _version(dist: str) -> str:
     from importlib import metadata
 
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
+def calibration_key(runtime: Any) -> str:
+    """What a calibration depends on, hashed (24 hex digits): it names the cache file.
+
+    The model: its config, size in bytes, weights (`weights_fingerprint`)
+    and whether its CPU ops are fused and its linears packed. The machine:
+    architecture, system, CPU model (`cpu_model`), core count,
+    `MTPLX_CPU_THREADS` and the BLAS in use. The libraries: mlx, mlx-lm and
+    mtplx-ext versions. A change in any of them measures anew; so does
+    `MTPLX_RECALIBRATE=1` (`recalibration_requested`).
+    """
     from mlx.utils import tree_flatten
 
     from mtplx_ext import _blas
 
-    def ver(d: str) -> str:
-        try:
-            return metadata.version(d)
-        except metadata.PackageNotFoundError:
-            return "-"
-
     size = sum(v.nbytes for _, v in tree_flatten(runtime.parameters()))
     facts = {
-        "config": getattr(runtime, "config", {}), "bytes": size, "fused": bool(getattr(runtime, "cpu_ops_fused", False)),
-        "packed": bool(getattr(runtime, "linears_packed", False)),
-        "machine": platform.machine(), "system": platform.system(), "cpus": os.cpu_count(),
+        "config": getattr(runtime, "config", {}), "bytes": size, "weights": weights_fingerprint(runtime),
+        "fused": bool(getattr(runtime, "cpu_ops_fused", False)), "packed": bool(getattr(runtime, "linears_packed", False)),
+        "machine": platform.machine(), "system": platform.system(), "cpu": cpu_model(), "cpus": os.cpu_count(),
         "threads": os.environ.get("MTPLX_CPU_THREADS", ""), "blas": _blas.describe(),
-        "mlx": ver("mlx"), "mtplx-ext": ver("mtplx-ext"), "version": _CACHE_VERSION,
+        "mlx": _version("mlx"), "mlx-lm": _version("mlx-lm"), "mtplx-ext": _version("mtplx-ext"), "version": _CACHE_VERSION,
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+_machine_key = calibration_key  # the name earlier code used
+
+#: Set by `request_recalibration` (the CLI's --recalibrate).
+_FORCE = False
+#: Calibrations measured in this process since recalibration was asked for (each is measured once).
+_REMEASURED: set[tuple[str, int, int]] = set()
+
+
+def request_recalibration(on: bool = True) -> None:
+    """Makes this process measure every calibration anew once, ignoring cached files (the CLI's --recalibrate)."""
+    global _FORCE
+    _FORCE = bool(on)
+
+
+def recalibration_requested() -> bool:
+    """True under `request_recalibration()` or with MTPLX_RECALIBRATE set to anything but "" or "0"."""
+    return _FORCE or os.environ.get("MTPLX_RECALIBRATE", "").strip() not in ("", "0")
 
 
 def cache_dir() -> Path:
@@ -231,19 +326,32 @@ def cache_dir() -> Path:
 _MEMORY: dict[tuple[str, int, int], DepthCosts] = {}
 
 
+def calibration_file(key: str, batch: int, max_depth: int = MAX_AUTO_DEPTH) -> Path:
+    """The cached calibration of `key` (a `calibration_key`) at `batch`, under `cache_dir()`."""
+    return cache_dir() / "depth" / f"{key}-b{int(batch)}-k{int(max_depth)}.json"
+
+
 def depth_costs(runtime: Any, batch: int, decode: Decode, max_depth: int = MAX_AUTO_DEPTH) -> DepthCosts:
-    """The calibration of this model at `batch` on this machine: from memory, the cache folder, or measured now."""
-    key = (_machine_key(runtime), int(batch), int(max_depth))
-    if key in _MEMORY:
+    """The calibration of this model at `batch` on this machine: from memory, the cache folder, or measured now.
+
+    Under `recalibration_requested()` the first call per key in this process
+    measures anew (and overwrites the cached file); later calls reuse it.
+    """
+    key = (calibration_key(runtime), int(batch), int(max_depth))
+    fresh = recalibration_requested() and key not in _REMEASURED
+    if key in _MEMORY and not fresh:
         return _MEMORY[key]
-    file = cache_dir() / "depth" / f"{key[0]}-b{batch}-k{max_depth}.json"
+    file = calibration_file(key[0], batch, max_depth)
     costs = None
-    try:
-        costs = DepthCosts(**json.loads(file.read_text()))
-    except (OSError, ValueError, TypeError):
-        costs = None
+    if not fresh:
+        try:
+            costs = DepthCosts(**json.loads(file.read_text()))
+        except (OSError, ValueError, TypeError):
+            costs = None
     if costs is None:
         costs = calibrate(runtime, batch, decode, max_depth)
+        if fresh:
+            _REMEASURED.add(key)
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             tmp = file.with_suffix(f".{os.getpid()}.tmp")  # concurrent writers never share one
@@ -262,10 +370,13 @@ def remember(runtime: Any, batch: int, costs: DepthCosts, max_depth: int = MAX_A
     that every later `depth_costs` (and so every "auto") of every rank
     picks the same depth.
     """
-    _MEMORY[(_machine_key(runtime), int(batch), int(max_depth))] = costs
+    key = (calibration_key(runtime), int(batch), int(max_depth))
+    _MEMORY[key] = costs
+    _REMEASURED.add(key)  # measured now: a requested recalibration must not measure (and disagree) again
 
 
 __all__ = [
-    "AUTO", "HALF_LIFE", "MAX_AUTO_DEPTH", "PRIOR_WEIGHT", "DepthCosts", "RunningAcceptance", "cache_dir", "calibrate", "calibration_prompts", "choose_depth",
-    "depth_costs", "expected_tokens", "remember", "tokens_per_s",
+    "AUTO", "FINGERPRINT_SAMPLES", "HALF_LIFE", "MAX_AUTO_DEPTH", "PRIOR_WEIGHT", "DepthCosts", "RunningAcceptance", "cache_dir",
+    "calibrate", "calibration_file", "calibration_key", "calibration_prompts", "choose_depth", "cpu_model", "depth_costs",
+    "expected_tokens", "recalibration_requested", "remember", "request_recalibration", "tokens_per_s", "weights_fingerprint",
 ]
