@@ -52,7 +52,10 @@ def test_k_leaves_the_calibrations_choice_for_what_the_served_text_accepts(rng):
     moved, totals = _feed(d, rng, low, 6 * depths.CHECK_EVERY, 2, k, totals)
     new = d(2)
     played = {K: simulated_tokens_per_s(costs[2], [low] * 5, K, rng, cycles=20000) for K in range(1, 6)}
-    assert moved and new < k and played[new] >= 0.95 * max(played.values()), (low, new, played)
+    played[0] = costs[2].batch / costs[2].cycle_s["0"]  # plain decoding: one token per row and cycle, exactly
+    # K stays where it is unless a move is predicted HYSTERESIS faster: within that (and 2% of play noise) of the best.
+    assert moved and new < k and played[new] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (
+        low, new, played)
     # Back to text the head guesses well: K goes deep again.
     moved, totals = _feed(d, rng, 0.97, 16 * depths.CHECK_EVERY, 2, new, totals)
     assert moved and d(2) >= 3
@@ -95,7 +98,7 @@ def missing_head(monkeypatch):
     return rt
 
 
-def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, missing_head, rng):
+def test_an_engine_whose_drafts_miss_moves_down_to_k_0_or_1_and_stays_lossless(shipped, missing_head, rng):
     rt = missing_head
     V = rt.vocab_size
     eng = mtplx_ext.Engine(rt, max_batch=2, depth="auto", prefill_chunk=16)
@@ -112,7 +115,7 @@ def test_an_engine_whose_drafts_miss_moves_to_k_1_and_stays_lossless(shipped, mi
                 seen.add(eng.cycle_depth)
             if not busy:
                 break
-    assert 5 in seen and 1 in seen, seen
+    assert 5 in seen and seen & {0, 1}, seen
     for i, (r, (ref, gaps), n) in enumerate(zip(reqs, refs, caps)):
         assert r.error is None
         check_stream(i, r, ref, gaps, set(), n)

@@ -82,13 +82,14 @@ def test_the_engine_and_generate_follow_the_measured_choice(shipped, monkeypatch
         return table[batch]
 
     monkeypatch.setattr(autodepth, "depth_costs", fake)
-    table[4] = DepthCosts(batch=4, cycle_s={"0": 1.0, "1": 5.0, "2": 6.0}, acceptance=[0.9, 0.9])
+    for b in (1, 2, 4):  # drafting pays at no batch size: a plain engine
+        table[b] = DepthCosts(batch=b, cycle_s={"0": 1.0, "1": 5.0, "2": 6.0}, acceptance=[0.9, 0.9])
     eng = mtplx_ext.Engine(shipped, max_batch=4, depth="auto")
     assert not eng.mtp and eng.metrics()["depth"] == 0
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 1.0, "2": 1.05}, acceptance=[0.9, 0.9])
-    table[1] = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])  # plain: K = 1
+    table[1] = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])  # plain: K = 0
     eng = mtplx_ext.Engine(shipped, max_batch=2, depth="auto")
-    assert eng.mtp and eng.depth == 2 and eng._depths.depths == {1: 1, 2: 2}
+    assert eng.mtp and eng.depth == 2 and eng._depths.depths == {1: 0, 2: 2}
     res = mtplx_ext.generate_greedy_batched(shipped, [[1, 2], [3]], max_new_tokens=8, depth="auto")
     assert res.depth == 2
     table[2] = DepthCosts(batch=2, cycle_s={"0": 1.0, "1": 3.0, "2": 4.0}, acceptance=[0.9, 0.9])

@@ -18,6 +18,7 @@ import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.sampling import counts_with, distribution_from_logits
 from _broken_rules import target_one_position_late
+from _joint import expected_chain_joint, expected_joint
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 import _seed
 
@@ -34,17 +35,6 @@ SETTINGS = {
 @pytest.fixture
 def rng() -> np.random.Generator:
     return _seed.rng()
-
-
-def expected_joint(rt, prompt: list[int], cfg: SamplerConfig) -> np.ndarray:
-    """P(t1) p(t2 | t1) from full forwards of the trunk, in float64."""
-    V = rt.vocab_size
-    last = lambda toks: np.array(rt.trunk(mx.array([toks]))[0, -1].astype(mx.float32), np.float64)  # noqa: E731
-    p1 = distribution_from_logits(last(prompt), cfg, None)
-    joint = np.zeros((V, V))
-    for t1 in np.flatnonzero(p1):
-        joint[t1] = p1[t1] * distribution_from_logits(last(prompt + [int(t1)]), cfg, counts_with(None, V, [t1]))
-    return joint
 
 
 def first_two(rt, prompt, cfg, seeds, *, mtp: bool) -> tuple[np.ndarray, float]:
@@ -182,20 +172,6 @@ def test_streams_with_nearby_row_seeds_never_share_a_uniform():
     assert u.size == B * steps * calls
     # Independent float32 uniforms collide by chance with probability ~1e-2 here.
     assert u.size - np.unique(u).size <= 1
-
-
-def expected_chain_joint(rt, prompt: list[int], cfg: SamplerConfig, n: int) -> np.ndarray:
-    """P(t_1..t_n) = prod_i p(t_i | prompt, t_<i) from full forwards of the trunk, float64, flat [V**n]."""
-    V = rt.vocab_size
-    joint = np.ones(1)
-    prefixes = [[]]
-    for _ in range(n):
-        logits = rt.trunk(mx.array([prompt + p for p in prefixes]))[:, -1].astype(mx.float32)
-        rows = np.array(logits, np.float64)
-        step = np.stack([distribution_from_logits(rows[i], cfg, counts_with(None, V, p)) for i, p in enumerate(prefixes)])
-        joint = (joint[:, None] * step).reshape(-1)
-        prefixes = [p + [t] for p in prefixes for t in range(V)]
-    return joint
 
 
 @pytest.mark.parametrize("depth", [2, 3])

@@ -100,7 +100,7 @@ def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kin
 
     cache = RowState.gather([(d.cache, idx) for d, idx in parts], capacity)
     info = None
-    if mtp and kind != "greedy":
+    if mtp and kind != "greedy" and depth != 0:
         info = cat(lambda d: d.info if d.info is not None else one_hot_info(d.next, vocab))
     counts = None
     if kind == "penalties":
@@ -162,7 +162,8 @@ class Batch:
         width = MAX_LOGIT_BIAS if biased else None
         pads = [0] * B
         self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
-        self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=depth) if mtp else None
+        # (At K = 0 the head's caches only carry the rows' head state between batches.)
+        self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
         policy_kind = constrained.base_kind(kind)
         if policy_kind == "greedy":
             self.policy: Any = GreedyPolicy.slots(B, width)

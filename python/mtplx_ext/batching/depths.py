@@ -1,10 +1,13 @@
-"""depth="auto" in the Engine: a K per batch size that follows the acceptance the engine sees.
+"""depth="auto" in the Engine: a K per batch size (0 included) that follows the acceptance the engine sees.
 
 Calibration (`engine.autodepth`) measures, per batch size 1, 2, 4, ... and
 `max_batch`, what a cycle costs at every K and how often the calibration's
 drafts were accepted. A batch of B rows runs the K of the smallest
 calibrated size that holds it; a verification of B x (K + 1) rows costs
-more the larger B is, so one stream runs deeper than a full batch.
+more the larger B is, so one stream runs deeper than a full batch, and a
+size where drafting does not pay runs K = 0: one token per cycle, the head
+idle (`Cycle.zero_draft_step`). Rows move between batches of any K exactly:
+a row keeps its uncommitted x0 whatever its batch's K.
 
 The acceptance of the text actually served decides too: the engine feeds
 its running totals to `BatchDepths.observe`, which re-picks every size's K
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mtplx_ext._checks import MAX_DRAFTS, as_int
 from mtplx_ext.batching.admission import decode_mode
 from mtplx_ext.engine.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, tokens_per_s
 from mtplx_ext.engine.generate import auto_costs
@@ -42,9 +46,9 @@ def depth_for(depths: dict[int, int], rows: int) -> int:
 
 
 def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None) -> int:
-    """A batch size's K >= 1 for `acceptance` (None: the calibration's), moving from `current` only for a
-    predicted gain of at least `HYSTERESIS` (a size whose own choice is plain decoding keeps depth 1)."""
-    best = max(1, choose_depth(costs, acceptance))
+    """A batch size's K >= 0 for `acceptance` (None: the calibration's), moving from `current` only for a
+    predicted gain of at least `HYSTERESIS`."""
+    best = choose_depth(costs, acceptance)
     if current is None or current == best or str(current) not in costs.cycle_s:
         return best
     gain = tokens_per_s(costs, best, acceptance) / tokens_per_s(costs, current, acceptance)
@@ -120,16 +124,47 @@ def engine_depths(runtime: Any, mtp: bool, depth: int | str, max_batch: int, per
                   ) -> tuple[bool, int, bool, BatchDepths | None]:
     """`admission.decode_mode` plus, for depth="auto" with `per_batch`, the K per batch size.
 
-    The depth returned is then the deepest K any size may pick (the
-    calibration's deepest): the prefills draft that many, and requests may
-    cap theirs up to it.
+    MTP stays on when some batch size's K is above 0 (sizes at 0 decode one
+    token per cycle); it is off only when every size runs plain. The depth
+    returned is then the deepest K any size may pick (the calibration's
+    deepest): the prefills draft that many, and requests may cap theirs up to it.
     """
-    mtp, k, route = decode_mode(runtime, mtp, depth, max_batch)
-    costs = auto_costs_by_size(runtime, max_batch) if depth == AUTO and mtp and per_batch else None
+    if isinstance(depth, dict):
+        return _given_depths(runtime, mtp, depth, max_batch, per_batch)
+    costs = None
+    if depth == AUTO and mtp and per_batch and getattr(runtime, "has_mtp", False):
+        costs = auto_costs_by_size(runtime, max_batch)
     if not costs:
+        mtp, k, route = decode_mode(runtime, mtp, depth, max_batch)
         return mtp, k, route, None
-    depths = BatchDepths({b: pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
-    return mtp, max(max(c.depths()) for c in costs.values()), route, depths
+    picks = {b: pick_depth(c, None, None) for b, c in costs.items()}
+    if not any(picks.values()):  # drafting pays at no size: a plain engine, the head never runs
+        mtp, k, route = decode_mode(runtime, False, 1, max_batch)
+        return mtp, k, route, None
+    mtp, _, route = decode_mode(runtime, True, 1, max_batch)
+    return mtp, max(max(c.depths()) for c in costs.values()), route, BatchDepths(picks, costs=costs)
+
+
+def _given_depths(runtime: Any, mtp: bool, depth: dict, max_batch: int, per_batch: bool
+                  ) -> tuple[bool, int, bool, BatchDepths | None]:
+    """depth={batch size: K}: each size's K as given (0: no drafts), fixed (no running acceptance)."""
+    if not per_batch:
+        raise ValueError("depth as {batch size: K} is not supported by this engine (one K for every batch)")
+    if not depth:
+        raise ValueError("depth as {batch size: K} needs at least one entry")
+    given = {}
+    for b, k in depth.items():
+        size = as_int("depth (a batch size key)", b, lo=1, hi=max_batch + 1)
+        given[size] = as_int(f"depth[{size}]", k, lo=0, hi=MAX_DRAFTS + 1)
+    if max_batch not in given and max(given) < max_batch:
+        given[max_batch] = given[max(given)]  # sizes past the largest given take its K
+    if not mtp or not any(given.values()):
+        mtp, k, route = decode_mode(runtime, False, 1, max_batch)
+        return mtp, k, route, None
+    mtp, _, route = decode_mode(runtime, True, 1, max_batch)
+    if len(getattr(runtime, "mtp_modules", [])) > 1 and len(set(given.values())) > 1:
+        raise ValueError("depth: a head of several MTP modules keeps caches per K, so every batch size needs the same K")
+    return mtp, max(given.values()), route, BatchDepths(given)
 
 
 __all__ = ["CHECK_EVERY", "HYSTERESIS", "RECENT_BATCHES", "BatchDepths", "auto_costs_by_size", "depth_for", "pick_depth",

@@ -40,9 +40,9 @@ class Engine:
             hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
             from the recurrent states captured at each verified position.
         max_batch: most streams decoding at once.
-        depth: drafts per cycle (K), or "auto": for each batch size the
-            depth that decodes it fastest here, plain decoding if that is a
-            full batch's choice (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
+        depth: drafts per cycle (K); {batch size: K} (0: no drafts; a batch takes the K of the smallest size
+            that holds it); or "auto": for each batch size the K (0 included) that decodes it fastest here
+            (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
         use_mtp: False decodes plainly (one token per forward), the baseline.
         max_kv_slots: most KV slots held by the running batch (rows times
             its per-row capacity); default max_batch times the context.
@@ -67,7 +67,7 @@ class Engine:
         runtime: Any,
         *,
         max_batch: int = 8,
-        depth: int | str = 1,
+        depth: int | str | dict[int, int] = 1,
         use_mtp: bool = True,
         max_kv_slots: int | None = None,
         prefill_chunk: int = 256,
@@ -282,7 +282,7 @@ class Engine:
 
     def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
-        k = max(self._depths.depths.values()) if self._depths else self.depth  # drafts cut to the batch's K
+        k = max(1, *self._depths.depths.values()) if self._depths else self.depth  # drafts cut to the batch's K
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
         entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)

@@ -132,7 +132,9 @@ class Cycle:
         self.depth = depth
         self.recurrent = rollback.has_recurrent_state(cache)
         self.per_stream = per_stream
-        self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, depth, cache)
+        # Depth 0 (a batch the engine runs without drafts): the head's caches ride along, unused.
+        self.drafter = None if head_cache is None or depth == 0 else make_drafter(runtime, policy, head_cache, depth,
+                                                                                  cache)
         # [B] int32 most drafts row b may accept (<= K), or None (K for all).
         self.row_depth: mx.array | None = None
         # Compiled steps by kind (see `compile_steps`), or None (eager).
@@ -263,6 +265,27 @@ class Cycle:
         start = self.drafter.pairs(hidden, mx.concatenate([c[:, :r], x0[:, None]], axis=1))
         return self.drafter.draft(start, x0, step)
 
+    def zero_draft_step(self, tokens: mx.array, step: Any) -> Pending:
+        """A depth-0 cycle with per-stream commit semantics: [B, 1] x0 (not committed yet) forwarded alone.
+
+        The chain rule with no drafts: x0 is committed and the token after it
+        is drawn as a bonus (uniforms of cycle `step + 1`'s pick), so a row
+        keeps the state of an MTP row (`next` = its uncommitted x0) and moves
+        to and from batches of any K; bundle [B, 3] = (x0, n, c_1), n = -1
+        where the row is unusable. The head's caches are not touched.
+        """
+        logits, _ = self.rt.forward(model_tokens(tokens), self.cache)
+        x0 = tokens[:, 0].astype(mx.int32)
+        zero = mx.zeros_like(x0)
+        self.policy.commit(mx.stack([x0, zero, zero], axis=1), 0)  # x0 counts for the token after it
+        c1 = self.policy.pick(logits[:, -1], step + 1)
+        self.policy.set_next(c1)
+        bundle = mx.stack([x0, mx.where(c1 < 0, -1, zero), c1], axis=1)
+        p = Pending(bundle, next_tokens=c1[:, None])
+        if self.logprobs:
+            p.logprobs = packed_logprobs(logits[:, -1:], c1[:, None])
+        return p
+
     def plain_step(self, tokens: mx.array, step: Any) -> Pending:
         """One autoregressive forward of [B, 1] tokens; bundle = next tokens."""
         logits, _ = self.rt.forward(model_tokens(tokens), self.cache)
@@ -285,7 +308,7 @@ class Cycle:
         if self.head_cache is None:
             units = {"plain": self._plain_unit}
         elif self.per_stream:
-            units = {"stream": self._stream_unit}
+            units = {"stream": self._zero_unit if self.depth == 0 else self._stream_unit}
         else:
             units = {"first": self._first_unit, "accept": self._accept_unit}
         # The snapshot's layout, from snapshot_recurrent itself (its arrays
@@ -334,6 +357,10 @@ class Cycle:
         nxt, nxt_info = self.commit_per_stream(p, step + 1)
         lp = (p.logprobs,) if p.logprobs is not None else ()
         return (p.bundle, nxt) + (() if nxt_info is None else (nxt_info,)) + lp
+
+    def _zero_unit(self, step: mx.array, tokens: mx.array) -> tuple[mx.array, ...]:
+        p = self.zero_draft_step(tokens, step)
+        return (p.bundle, p.next_tokens) + ((p.logprobs,) if p.logprobs is not None else ())
 
     def _plain_unit(self, step: mx.array, tokens: mx.array) -> Any:
         p = self.plain_step(tokens, step)
