@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mtplx_ext.batching import constrained
+from mtplx_ext.batching.scheduler import BatchShape
 from mtplx_ext.batching.requests import Request
 from mtplx_ext.cache.rows import RowState
 from mtplx_ext.engine.constraint import mask_words
@@ -141,39 +141,33 @@ class Batch:
 
     Args:
         runtime: the `MTPRuntime`.
-        B: rows.
-        cap: KV slots per row.
-        kind: "greedy", "sampled" or "penalties" (`batch_kind`), with
-            `constrained.MASKED` appended when rows carry constraint masks.
-        depth: drafts per cycle.
+        shape: what the batch is built for (`scheduler.BatchShape`): with a
+            logit bias the policy holds a [B, MAX_LOGIT_BIAS] bias (rows
+            without one pad it), a fixed shape for the compiled steps; with
+            logprobs every cycle computes them (`Cycle(logprobs=True)`);
+            `capped`: rows may accept fewer drafts than K (each its
+            request's `depth`, `Cycle.row_depth`).
         mtp: MTP decoding (False: plain).
-        biased: some row has a logit bias: the policy holds a [B,
-            MAX_LOGIT_BIAS] bias (rows without one pad it), a fixed shape
-            for the compiled steps.
-        logprobs: some row asked for logprobs: every cycle computes them
-            (`Cycle(logprobs=True)`).
-        capped: rows may accept fewer drafts than `depth` (each its request's
-            `depth`, `Cycle.row_depth`); a batch whose rows all take K has no cut.
     """
 
-    def __init__(self, runtime: Any, B: int, cap: int, kind: str, depth: int, mtp: bool, biased: bool = False,
-                 logprobs: bool = False, capped: bool = False):
-        self.B, self.cap, self.kind = B, cap, kind
-        width = MAX_LOGIT_BIAS if biased else None
+    def __init__(self, runtime: Any, shape: BatchShape, mtp: bool):
+        B, cap, kind, depth = shape.rows, shape.capacity, shape.kind, shape.depth
+        self.B, self.cap, self.kind, self.shape = B, cap, kind, shape
+        width = MAX_LOGIT_BIAS if shape.biased else None
         pads = [0] * B
         self.cache = runtime.make_cache(pads, ragged=True, capacity=cap)
         # (At K = 0 the head's caches only carry the rows' head state between batches.)
         self.head_cache = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
-        policy_kind = constrained.base_kind(kind)
-        if policy_kind == "greedy":
+        if kind == "greedy":
             self.policy: Any = GreedyPolicy.slots(B, width)
         else:
-            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=policy_kind == "penalties",
+            self.policy = SampledPolicy.slots(B, int(runtime.vocab_size), penalties=kind == "penalties",
                                               bias_width=width)
-        if policy_kind != kind:  # constrained rows: the mask is an input of the compiled steps
+        if shape.masked:  # constrained rows: the mask is an input of the compiled steps
             self.policy.mask = mx.full((B, depth + 1 if mtp else 1, mask_words(runtime.vocab_size)), -1, mx.int32)
-        self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp, logprobs=logprobs)
-        if capped:
+        self.cycle = Cycle(runtime, self.policy, self.cache, self.head_cache, depth, per_stream=mtp,
+                           logprobs=shape.logprobs)
+        if shape.capped:
             self.cycle.row_depth = mx.full((B,), depth, dtype=mx.int32)
         self.compiled = False
 

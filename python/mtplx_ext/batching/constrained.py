@@ -5,8 +5,8 @@ at every position (`mtplx_ext.engine.constraint`), with MTP kept on. The
 engine's share of the work, kept here:
 
 * the prefill picks x0 under the constraint's initial mask;
-* a running batch with a constrained row is a batch kind of its own (its
-  compiled steps take the [B, K + 1, W] mask as an input); rows without a
+* a running batch with a constrained row is a batch of its own (`BatchShape.masked`:
+  its compiled steps take the [B, K + 1, W] mask as an input); rows without a
   constraint get all-ones masks, so their logits are unchanged;
 * such a batch runs one cycle at a time (no launch ahead): after each
   cycle's bundle is read (with the next x0 and drafts, in the same
@@ -30,10 +30,6 @@ import numpy as np
 
 from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
 
-#: Suffix of a batch kind whose rows carry constraint masks.
-MASKED = "+mask"
-
-
 def check_constraint(constraint: Any) -> Constraint | None:
     """The `constraint` argument of `Engine.submit`, checked (TypeError naming it)."""
     if constraint is None:
@@ -42,16 +38,6 @@ def check_constraint(constraint: Any) -> Constraint | None:
         if not callable(getattr(constraint, name, None)):
             raise TypeError(f"constraint must be a mtplx_ext.engine.constraint.Constraint (it has no {name}())")
     return constraint
-
-
-def batch_kind(reqs: Sequence[Any], kind: str) -> str:
-    """`kind` with the masked suffix when some request is constrained."""
-    return kind + MASKED if any(getattr(r, "constraint", None) is not None for r in reqs) else kind
-
-
-def base_kind(kind: str) -> str:
-    """The policy kind of a (possibly masked) batch kind."""
-    return kind[: -len(MASKED)] if kind.endswith(MASKED) else kind
 
 
 def start_prefill(cyc: Any, r: Any, vocab: int, positions: int) -> None:
@@ -130,5 +116,5 @@ def commit_cycle(g: RowConstraints, b: np.ndarray, live: Sequence[bool], mtp: bo
             g.commit(i, [int(b[i, 0])])
 
 
-__all__ = ["MASKED", "after_cycle", "base_kind", "batch_kind", "check_constraint", "commit_cycle", "finish_prefill",
+__all__ = ["after_cycle", "check_constraint", "commit_cycle", "finish_prefill",
            "guide", "live_rows", "mask_next", "recomposed", "read_bundle", "start_prefill"]

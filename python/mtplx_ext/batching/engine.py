@@ -22,7 +22,8 @@ from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.depths import engine_depths
 from mtplx_ext.batching.prefix_cache import PrefixCache
-from mtplx_ext.batching.requests import Event, Request, batch_kind
+from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.scheduler import BatchShape, Waiting, needs_rebuild, plan_batch, plan_prefill
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.batching.token_logprobs import check_logprobs, cycle_entries, prefill_entry
 from mtplx_ext.engine import session
@@ -100,7 +101,7 @@ class Engine:
         self._ready: list[Request] = []  # prefilled, not merged yet
         self._live: list[Request] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
-        self._batches: dict[tuple[int, int, str, bool, bool, bool, int], Batch] = {}
+        self._batches: dict[BatchShape, Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
         self._inflight: Any = None  # a cycle launched ahead, its bundle not read yet
         self._info: mx.array | None = None
@@ -247,38 +248,31 @@ class Engine:
                 self._finish(r, "cancelled")
 
     def _prefill(self) -> None:
-        """Prefills waiting requests in order, each alone: all that fit, or while streams decode at most
-        `prefill_chunk` prompt tokens (short prompts whole, so that requests arriving together join together)."""
-        budget = self.prefill_chunk if self._live else None
-        held = [r for r in self._live if r.finish_reason is None] + self._ready
-        while self._waiting:
-            r = self._waiting[0]
-            if r.prefill is None:
-                if budget is not None and min(self.prefill_chunk, len(r.prompt)) > budget:
-                    return  # its first chunk waits for the next step's budget
-                if not admission.fits([q.need for q in held + [r]], self.max_batch, self.max_kv_slots):
-                    return  # waits (in order: nothing overtakes it)
-                self._start_prefill(r)
-            tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
+        """Runs the scheduler's `PrefillPlan` (`scheduler.plan_prefill`): each request alone, in arrival order."""
+        held = [r.info() for r in self._live if r.finish_reason is None] + [r.info() for r in self._ready]
+        waiting = [Waiting(r.info(), len(r.prompt), None if r.prefill is None else len(r.prompt) - r.prefill_pos)
+                   for r in self._waiting]
+        plan = plan_prefill(waiting, held, bool(self._live), self.prefill_chunk, self.max_batch, self.max_kv_slots)
+        for work in plan.chunks:
+            r = self._waiting[0]  # the plan follows the queue
             try:
+                if work.start:
+                    self._start_prefill(r)
                 gen, cyc = r.prefill
-                try:
-                    next(gen)
-                    r.prefill_pos += tokens
+                for _ in range(work.chunks):
+                    tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
                     self.counters["prefill_tokens"] += tokens
-                except StopIteration as done:
-                    self.counters["prefill_tokens"] += tokens
-                    self._waiting.popleft()
-                    self._finish_prefill(r, cyc, *done.value)
-                    held.append(r)
+                    try:
+                        next(gen)
+                        r.prefill_pos += tokens
+                    except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
+                        self._waiting.popleft()
+                        self._finish_prefill(r, cyc, *done.value)
+                        break
             except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
                 if self._waiting and self._waiting[0] is r:
                     self._waiting.popleft()
                 self._fail(r, e)
-            if budget is not None:
-                budget -= tokens
-                if budget <= 0:
-                    return
 
     def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
@@ -312,48 +306,43 @@ class Engine:
     # -- the running batch -------------------------------------------------------
 
     def _recompose(self) -> None:
-        """Drops finished rows and merges prefilled ones into one compact batch."""
-        keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
-        new = [r for r in self._ready if r.finish_reason is None]
-        if len(keep) == len(self._live) and not new and not self._rechoose:
+        """Runs the scheduler's `BatchPlan`: drops finished rows, merges prefilled ones into one compact batch."""
+        live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
+        if not needs_rebuild(live, ready, self._rechoose):
             return
         self._rechoose = False
         if self._inflight is not None:
             # The cycle launched ahead ran on the old rows: commit it first.
             p, self._inflight = self._inflight, None
             self._read(p)
-            keep = [i for i, r in enumerate(self._live) if r.finish_reason is None]
-            new = [r for r in self._ready if r.finish_reason is None]
-        self._ready = []
+            live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
+        depth_for = self._depths if self._depths else (lambda rows: self.depth)
+        plan = plan_batch(live, ready, True, self.mtp, depth_for)
         if self._prefix_ok and self._batch is not None:  # finished replies, for the next turn's prompt
             for i, r in enumerate(self._live):
                 if r.finish_reason in ("stop", "length"):
                     self.prefix.store(r.prompt + r.tokens, self._batch.caches(), i)
-        reqs = [self._live[i] for i in keep] + new
+        new = [self._ready[i] for i in plan.join]
+        reqs = [self._live[i] for i in plan.keep] + new
+        self._ready = []
         old = self._batch.unload(self._next, self._info) if self._batch is not None else None
         self._batch = None
         self._live = reqs
         self.counters["recompositions"] += 1
-        if not reqs:
+        if plan.shape is None:
             self._next = self._info = self._guide = None
             self._streams = None
             return
-        B = len(reqs)
-        cap = admission.capacity(max(r.need for r in reqs))
-        kind = constrained.batch_kind(reqs, batch_kind(reqs))
-        parts: list[tuple[Rows, mx.array | None]] = []
-        if keep:
-            parts.append((old, mx.array(keep, dtype=mx.int32)))
+        shape = plan.shape
+        parts: list[tuple[Rows, mx.array | None]] = [(old, mx.array(plan.keep, dtype=mx.int32))] if plan.keep else []
         parts += [(r.row, None) for r in new]
         for r in new:
             r.row = None
-        K = self.cycle_depth = self._depths(B) if self._depths else self.depth
-        rows = merge_rows(parts, cap, constrained.base_kind(kind), self.mtp, self.vocab, K)
-        key = (B, cap, kind, any(r.sampler.has_bias for r in reqs), any(r.logprobs is not None for r in reqs),
-               self.mtp and any(r.depth < K for r in reqs), K)  # rows that cap their drafts; drafts per cycle
-        batch = self._batches.get(key)
+        K = self.cycle_depth = shape.depth
+        rows = merge_rows(parts, shape.capacity, shape.kind, self.mtp, self.vocab, K)
+        batch = self._batches.get(shape)
         if batch is None:
-            batch = self._batches[key] = Batch(self.rt, B, cap, kind, K, self.mtp, *key[3:6])
+            batch = self._batches[shape] = Batch(self.rt, shape, self.mtp)
         batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info

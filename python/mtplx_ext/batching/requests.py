@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mtplx_ext.batching.detok import Detokenizer
+from mtplx_ext.batching.scheduler import RowInfo
 from mtplx_ext.engine.stats import DraftStats
 from mtplx_ext.sampling import SamplerConfig
 
@@ -108,6 +109,14 @@ class Request:
         self.step_off = 0  # cycle the stream's own step count starts from
         # MTP: x0 was committed at the prefill; the first bundle repeats it.
         self.x0_committed = False
+        self.constraint: Any = None  # a `Constraint` (a grammar) of this request only
+
+    def info(self) -> RowInfo:
+        """What the scheduler reads of this request (`scheduler.RowInfo`)."""
+        s = self.sampler
+        kind = "penalties" if s.has_penalties else "greedy" if s.greedy else "sampled"
+        return RowInfo(self.id, self.need, kind, s.has_bias, self.logprobs is not None, self.constraint is not None,
+                       self.depth, self.finish_reason is not None)
 
     @property
     def text(self) -> str:
@@ -189,13 +198,4 @@ class Request:
             self._done.set()
 
 
-def batch_kind(reqs: Sequence[Request]) -> str:
-    """The policy a batch of these requests needs: "greedy", "sampled" or "penalties"."""
-    if any(r.sampler.has_penalties for r in reqs):
-        return "penalties"
-    if any(not r.sampler.greedy for r in reqs):
-        return "sampled"
-    return "greedy"
-
-
-__all__ = ["Event", "Request", "batch_kind"]
+__all__ = ["Event", "Request"]
