@@ -64,6 +64,6 @@ def test_constrained_and_free_requests_arriving_at_random_steps_decode_as_alone(
 
 def test_submit_refuses_something_that_is_not_a_constraint(shipped):
     rt, _, _ = shipped
-    eng = Engine(rt, max_batch=2)
+    eng = Engine(rt, max_batch=2, depth=1)
     with pytest.raises(TypeError, match="constraint"):
         eng.submit([1, 2, 3], constraint={"type": "object"})

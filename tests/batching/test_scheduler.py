@@ -103,7 +103,7 @@ def test_kv_cap_makes_requests_wait_and_none_is_lost(shipped, rng):
 
 
 def test_requests_that_could_never_fit_are_refused_at_submit(shipped):
-    eng = Engine(shipped, max_batch=2, max_kv_slots=256, context=300)
+    eng = Engine(shipped, max_batch=2, max_kv_slots=256, context=300, depth=1)
     with pytest.raises(ValueError, match="max_kv_slots=256"):
         eng.submit([1] * 200, max_tokens=90)
     with pytest.raises(ValueError, match="exceeds the context of 300"):

@@ -150,4 +150,4 @@ def test_recurrent_layers_the_capture_cannot_route_are_refused(rng):
     rt.trunk.model.layers[0].linear_attn = nn.Linear(4, 4)  # recurrent, but no GatedDeltaNet
     for mtp in (True, False):
         with pytest.raises(ValueError, match="not GatedDeltaNet layers"):
-            Engine(rt, use_mtp=mtp)
+            Engine(rt, use_mtp=mtp, depth=1)

@@ -108,7 +108,7 @@ def test_greedy_decoding_builds_its_steps_in_python_once_and_replays_them(model_
     runs = {}
     for eager in (False, True):
         counting = CountingForwards(rt)
-        r = generate_greedy_batched(counting, prompts, max_new_tokens=24, serial=serial, enforce_eager=eager, **kw)
+        r = generate_greedy_batched(counting, prompts, max_new_tokens=24, serial=serial, enforce_eager=eager, **kw, depth=1)
         runs[eager] = (r, counting.calls)
     (compiled, built), (eager, eager_built) = runs[False], runs[True]
     assert compiled.compiled and not eager.compiled
@@ -141,7 +141,7 @@ def test_compiled_sampled_decoding_draws_the_eager_tokens(mtp, penalties):
     for eager in (False, True):
         counting = CountingForwards(rt)
         r = generate_batched(
-            counting, prompts, max_new_tokens=20, sampler=cfg, seed=seed, use_mtp_draft=mtp, enforce_eager=eager
+            counting, prompts, max_new_tokens=20, sampler=cfg, seed=seed, use_mtp_draft=mtp, enforce_eager=eager, depth=1
         )
         runs[eager] = (r, counting.calls)
     (compiled, built), (eager, _) = runs[False], runs[True]
@@ -163,7 +163,7 @@ def _kernels_built_by_new_capacities(rt) -> set:
     cache_dir = mlx_kernel_cache_dir()
 
     def decode(prompt: list[int]) -> None:
-        generate_greedy_batched(rt, [prompt], max_new_tokens=5)
+        generate_greedy_batched(rt, [prompt], max_new_tokens=5, depth=1)
         generate_greedy_batched(rt, [prompt], max_new_tokens=5, use_mtp_draft=False)
 
     decode([1, 2, 3])
@@ -230,7 +230,7 @@ def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatc
     runs = {}
     for eager in (False, True):
         counting = CountingForwards(rt)
-        r = generate_greedy_batched(counting, prompts, max_new_tokens=30, use_mtp_draft=mtp, enforce_eager=eager)
+        r = generate_greedy_batched(counting, prompts, max_new_tokens=30, use_mtp_draft=mtp, enforce_eager=eager, depth=1)
         runs[eager] = (r, counting.calls)
     (compiled, built), (eager, _) = runs[False], runs[True]
     assert compiled.compiled and built > 3, "the caches never grew"
@@ -295,15 +295,15 @@ def test_compiled_decoding_equals_eager_decoding_for_any_batch(
 
         cfg = SamplerConfig(temperature=0.9, top_p=0.9, presence_penalty=0.3)
         kw.update(sampler=cfg, seed=data.draw(st.integers(0, 99)))
-    compiled = generate_batched(rt, prompts, **kw)
-    eager = generate_batched(rt, prompts, enforce_eager=True, **kw)
+    compiled = generate_batched(rt, prompts, **kw, depth=1)
+    eager = generate_batched(rt, prompts, enforce_eager=True, **kw, depth=1)
     assert compiled.compiled
     assert [s.tokens for s in compiled.streams] == [s.tokens for s in eager.streams]
     assert [s.finish_reason for s in compiled.streams] == [s.finish_reason for s in eager.streams]
     assert (compiled.cycles, compiled.forwards, compiled.accepted) == (eager.cycles, eager.forwards, eager.accepted)
 
 
-@pytest.mark.parametrize("kw", [dict(depth=3), dict(reject_mode="reforward", depth=2), dict(use_mtp_draft=False)])
+@pytest.mark.parametrize("kw", [dict(depth=3), dict(reject_mode="reforward", depth=2), dict(use_mtp_draft=False, depth=1)])
 def test_a_later_decode_of_the_same_shapes_replays_the_steps_and_keeps_its_own_tokens(kw):
     # Steps are kept between decodes of one runtime: another batch of the
     # same shapes (other prompts and paddings) must replay them without

@@ -291,12 +291,12 @@ def test_mtp_greedy_decoding_of_a_quantized_folder_is_lossless_against_mlx_lm(tm
     # the packed model's own plain tokens.
     assert any(isinstance(m, mtplx_ext.PackedQuantizedLinear) for m in rt.modules())
     plain = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, use_mtp_draft=False)
-    res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n)
+    res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, depth=1)
     assert res.drafted > 0
     assert [s.tokens for s in res.streams] == [s.tokens for s in plain.streams]
     # With mlx's quantized layers (as a GPU runs them) the same folder decodes as mlx-lm does.
     mtplx_ext.unpack_cpu_quantized(rt)
-    res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n)
+    res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, depth=1)
     assert res.drafted > 0
     assert_lossless(res.streams, [reference_greedy(model, p, n) for p in prompts])
 

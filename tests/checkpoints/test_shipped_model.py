@@ -76,12 +76,12 @@ def test_shipped_head_drafts_far_better_than_an_untrained_head(shipped):
     rng = random.Random(_seed.fresh())
     # 8 prompts: with 2, a single degenerate loop can sink the rate (seen once at 0.16).
     prompts = [shipped.tokenizer.encode(_random_stdlib_snippet(rng, 120)).ids for _ in range(8)]
-    res = mtplx_ext.generate_greedy_batched(shipped, prompts, max_new_tokens=32)
+    res = mtplx_ext.generate_greedy_batched(shipped, prompts, max_new_tokens=32, depth=1)
     cfg = {k: shipped.config[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads",
                                           "intermediate_size", "head_dim")}
     untrained = mtplx_ext.init_random("qwen3", rng.randrange(1 << 30), head_layout="qwen3_next", **cfg)
-    base = mtplx_ext.generate_greedy_batched(untrained, prompts, max_new_tokens=32)
+    base = mtplx_ext.generate_greedy_batched(untrained, prompts, max_new_tokens=32, depth=1)
     assert res.acceptance_rate >= 0.3
     assert res.acceptance_rate > base.acceptance_rate + 0.2
 

@@ -47,7 +47,7 @@ def test_generate_command_streams_the_committed_text_and_reports_stats():
     rt = mtplx_ext.load(SHIPPED_MODEL)
     ids = rt.tokenizer.encode(prompt).ids
     eos = rt.tokenizer.token_to_id(EOS_TOKEN)
-    res = mtplx_ext.generate_greedy_batched(rt, [ids], max_new_tokens=12, stop_token_ids=[eos])
+    res = mtplx_ext.generate_greedy_batched(rt, [ids], max_new_tokens=12, stop_token_ids=[eos], depth=1)
     # What streamed is exactly the decode of what the loop committed.
     assert p.stdout == prompt + rt.tokenizer.decode(res.streams[0].tokens) + "\n"
     for word in ("tokens/s", "acceptance", "forwards/token", "BLAS openblas" if sys.platform.startswith("linux") else "BLAS"):
@@ -264,7 +264,7 @@ def test_generate_refuses_a_request_beyond_the_context_with_the_servers_rule(cap
     long_text = " ".join(_random_prompt(rng) for _ in range(ctx // 2))
     n_long = len(rt.tokenizer.encode(long_text).ids)
     assert n_long > ctx
-    eng = mtplx_ext.Engine(rt, max_batch=1)
+    eng = mtplx_ext.Engine(rt, max_batch=1, depth=1)
     for argv, n_prompt, max_tokens in (
         (["generate", "def f(", "--max-tokens", str(ctx + 1)], len(rt.tokenizer.encode("def f(").ids), ctx + 1),
         (["generate", long_text, "--max-tokens", "4"], n_long, 4),

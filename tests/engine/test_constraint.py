@@ -124,9 +124,9 @@ def test_row_constraints_probe_leaves_the_state_unchanged_and_masks_each_prefix(
 def test_constraints_are_checked_before_decoding(shipped):
     rt, gv, eos = shipped
     with pytest.raises(ValueError, match="constraints"):
-        mtplx_ext.generate_batched(rt, [[1, 2]], max_new_tokens=4, constraints=[None, None])
+        mtplx_ext.generate_batched(rt, [[1, 2]], max_new_tokens=4, constraints=[None, None], depth=1)
     with pytest.raises(ValueError, match="constraints"):
         mtplx_ext.generate_batched(rt, [[1, 2]], max_new_tokens=4, enforce_eager=True,
-                                   constraints=[gv.json_object()])
+                                   constraints=[gv.json_object()], depth=1)
     with pytest.raises(ValueError, match="schema"):
         gv.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})

@@ -50,7 +50,7 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
         "mtp_mixed_head": (head, dict(use_mtp_draft=True, reject_mode=reject_mode)),
     }
     for name, (runtime, kw) in runs.items():
-        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, **kw)
+        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, **kw, depth=1)
         assert len(r.streams) == B
         for i, s in enumerate(r.streams):
             check_stream(i, s, *refs[i], stops, cap)
@@ -68,7 +68,7 @@ def test_prefill_in_chunks_changes_no_token(model_type, monkeypatch):
     refs = [reference(rt, p, cap) for p in prompts]
     monkeypatch.setattr(decode, "PREFILL_STEP", int(rng.integers(2, 7)))
     for mtp in (False, True):
-        r = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=mtp)
+        r = generate_greedy_batched(rt, prompts, max_new_tokens=cap, use_mtp_draft=mtp, depth=1)
         for i, s in enumerate(r.streams):
             check_stream(i, s, *refs[i], set(), cap)
 
@@ -122,7 +122,7 @@ def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, re
     # Eager: the recorder reads each head call on the host, which a compiled
     # step (traced once) cannot do.
     r = generate_greedy_batched(
-        head, prompts, max_new_tokens=cap, serial=serial, reject_mode=reject_mode, enforce_eager=True
+        head, prompts, max_new_tokens=cap, serial=serial, reject_mode=reject_mode, enforce_eager=True, depth=1
     )
     if rolls_back(model_type, reject_mode):
         assert r.repair_cycles == 0 and 0 < r.accepted < r.drafted
@@ -156,7 +156,7 @@ def test_other_families_and_head_layouts_decode_losslessly(model_type, layout):
     refs = [reference(rt, p, cap) for p in prompts]
     head = ScriptedHead(rt, [r[0] for r in refs], prompts, "mixed", rng)
     for runtime in (rt, head):
-        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap)
+        r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, depth=1)
         check_counters(r, True)
         for i, s in enumerate(r.streams):
             check_stream(i, s, *refs[i], set(), cap)
@@ -173,8 +173,8 @@ def test_oracle_head_never_repairs_and_wrong_head_repairs_or_rolls_back_every_cy
     cycles = math.ceil(cap / 2)
 
     kw = dict(max_new_tokens=cap, reject_mode=reject_mode)
-    oracle = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "oracle", rng), prompts, **kw)
-    wrong = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "wrong", rng), prompts, **kw)
+    oracle = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "oracle", rng), prompts, **kw, depth=1)
+    wrong = generate_greedy_batched(ScriptedHead(rt, ref_tokens, prompts, "wrong", rng), prompts, **kw, depth=1)
     exact = True
     for r in (oracle, wrong):
         check_counters(r, True)
@@ -217,7 +217,7 @@ def test_pipelined_equals_serial_in_tokens_forwards_and_host_syncs(model_type, r
                 use_mtp_draft=mtp,
                 serial=serial,
                 reject_mode=reject_mode,
-                on_commit=lambda i, toks: committed.setdefault(i, []).extend(toks),
+                on_commit=lambda i, toks: committed.setdefault(i, []).extend(toks), depth=1,
             )
             check_counters(r, mtp)
             assert {i: s.tokens for i, s in enumerate(r.streams)} == committed
@@ -241,8 +241,8 @@ def test_pipelined_guess_of_the_next_path_is_undone_when_wrong():
     refs = [reference(rt, p, cap) for p in prompts]
     head = ScriptedHead(rt, [r[0] for r in refs], prompts, "pattern", rng, pattern=pattern)
     # Uniform repair (per-stream commit never guesses a path).
-    serial = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=True, reject_mode="reforward")
-    piped = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=False, reject_mode="reforward")
+    serial = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=True, reject_mode="reforward", depth=1)
+    piped = generate_greedy_batched(head, prompts, max_new_tokens=cap, serial=False, reject_mode="reforward", depth=1)
     exact = True
     for r in (serial, piped):
         check_counters(r, True)
@@ -267,7 +267,7 @@ def test_finished_streams_take_no_part_in_the_accept_decision():
     # Stream 0's drafts are all wrong: once it has finished, they must not
     # trigger repairs of stream 1, whose drafts are all right.
     head.table = mx.concatenate([(head.table[:1] + 1) % rt.vocab_size, head.table[1:]])
-    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, stop_token_ids={stop})
+    r = generate_greedy_batched(head, prompts, max_new_tokens=cap, stop_token_ids={stop}, depth=1)
     for i, s in enumerate(r.streams):
         if not check_stream(i, s, *refs[i], {stop}, cap):
             return  # a near tie: counts no longer predictable
@@ -309,7 +309,7 @@ def test_repair_restores_hybrid_state_bit_exactly_to_that_of_a_run_that_never_dr
         rec = StateRecorder(ScriptedHead(rt, [r[0] for r in refs], prompts, mode, rng))
         # Eager: the recorder reads the state on the host at every forward.
         r = generate_greedy_batched(
-            rec, prompts, max_new_tokens=cap, serial=True, enforce_eager=True, reject_mode="reforward"
+            rec, prompts, max_new_tokens=cap, serial=True, enforce_eager=True, reject_mode="reforward", depth=1
         )
         runs[mode] = (r, rec.states)
         for i, s in enumerate(r.streams):
@@ -362,7 +362,7 @@ def test_nan_logits_of_a_live_stream_raise_an_error_naming_it(mtp, serial):
     row = int(rng.integers(4))
     runtime = PoisonRow(rt, row, int(rng.integers(0, 3)), len(prompts[row]))
     with pytest.raises(RuntimeError, match=rf"^stream {row}:"):
-        generate_greedy_batched(runtime, prompts, max_new_tokens=12, use_mtp_draft=mtp, serial=serial)
+        generate_greedy_batched(runtime, prompts, max_new_tokens=12, use_mtp_draft=mtp, serial=serial, depth=1)
 
 
 def test_nan_logits_of_a_finished_stream_are_ignored():
@@ -374,7 +374,7 @@ def test_nan_logits_of_a_finished_stream_are_ignored():
     stop = refs[0][0][0]  # stream 0 stops at its first token
     stops = {stop}
     runtime = PoisonRow(rt, 0, 0, len(prompts[0]))
-    r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops)
+    r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, depth=1)
     assert r.streams[0].tokens == [stop] and r.streams[0].finish_reason == "stop"
     for i in (1, 2):
         check_stream(i, r.streams[i], *refs[i], stops, cap)
@@ -386,7 +386,7 @@ def test_one_new_token_is_the_prefill_token_with_no_decode_forward(mtp):
     rt = _runtime("qwen3_next", rng)
     prompts = _prompts(rng, rt.vocab_size, 3)
     refs = [reference(rt, p, 1) for p in prompts]
-    r = generate_greedy_batched(rt, prompts, max_new_tokens=1, use_mtp_draft=mtp)
+    r = generate_greedy_batched(rt, prompts, max_new_tokens=1, use_mtp_draft=mtp, depth=1)
     assert (r.cycles, r.forwards, r.host_syncs, r.drafted) == (1, 0, 1, 0)
     for i, s in enumerate(r.streams):
         check_stream(i, s, *refs[i], set(), 1)
@@ -413,11 +413,11 @@ def test_bad_arguments_raise_errors_naming_them():
         kw = dict(prompts=ok, max_new_tokens=4)
         kw.update(overrides)
         with pytest.raises(err, match=pattern):
-            generate_greedy_batched(rt, kw.pop("prompts"), **kw)
+            generate_greedy_batched(rt, kw.pop("prompts"), **kw, depth=1)
 
     plain = _runtime("qwen3", rng, head_layout=None)
     with pytest.raises(ValueError, match="use_mtp_draft"):
-        generate_greedy_batched(plain, ok, max_new_tokens=4)
+        generate_greedy_batched(plain, ok, max_new_tokens=4, depth=1)
     r = generate_greedy_batched(plain, ok, max_new_tokens=3, use_mtp_draft=False)
     assert [len(s.tokens) for s in r.streams] == [3, 3]
 
@@ -428,8 +428,8 @@ def test_generate_batched_is_greedy_at_temperature_zero_and_refuses_sampling():
     rng = _rng()
     rt = _runtime("qwen3", rng)
     prompts = _prompts(rng, rt.vocab_size, 3)
-    greedy = generate_greedy_batched(rt, prompts, max_new_tokens=7)
-    zero = mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.0))
+    greedy = generate_greedy_batched(rt, prompts, max_new_tokens=7, depth=1)
+    zero = mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.0), depth=1)
     assert [s.tokens for s in zero.streams] == [s.tokens for s in greedy.streams]
     with pytest.raises(NotImplementedError):
-        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.7))
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=7, sampler=SimpleNamespace(temperature=0.7), depth=1)

@@ -39,7 +39,7 @@ def rng() -> np.random.Generator:
 
 def first_two(rt, prompt, cfg, seeds, *, mtp: bool) -> tuple[np.ndarray, float]:
     res = mtplx_ext.generate_batched(
-        rt, [prompt] * len(seeds), max_new_tokens=2, sampler=cfg, row_seeds=seeds, use_mtp_draft=mtp
+        rt, [prompt] * len(seeds), max_new_tokens=2, sampler=cfg, row_seeds=seeds, use_mtp_draft=mtp, depth=1
     )
     pairs = np.array([s.tokens for s in res.streams])
     assert pairs.shape == (len(seeds), 2)
@@ -119,7 +119,7 @@ def test_stream_tokens_do_not_depend_on_batch_composition_order_or_pipelining(rn
             max_new_tokens=12,
             sampler=[cfgs[i] for i in order],
             row_seeds=[seeds[i] for i in order],
-            serial=serial,
+            serial=serial, depth=1,
         )
         return {i: s.tokens for i, s in zip(order, res.streams)}
 
@@ -136,9 +136,9 @@ def test_sampled_decode_rejects_bad_sampler_arguments(rng):
     rt = mtplx_ext.init_random("qwen3", seed=1, vocab_size=32)
     prompts = [[1, 2], [3]]
     with pytest.raises(ValueError, match="row_seeds"):
-        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=SamplerConfig(), row_seeds=[1])
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=SamplerConfig(), row_seeds=[1], depth=1)
     with pytest.raises(ValueError, match="sampler"):
-        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=[SamplerConfig()] * 3)
+        mtplx_ext.generate_batched(rt, prompts, max_new_tokens=2, sampler=[SamplerConfig()] * 3, depth=1)
 
 
 @pytest.mark.parametrize("reject_mode", ["repair", "reforward"])
@@ -152,8 +152,8 @@ def test_greedy_with_penalties_commits_the_plain_decoding_tokens_under_mtp(rng, 
     prompts = [rng.integers(0, vocab, size=int(n)).tolist() for n in rng.integers(1, 9, size=8)]
     cfg = SamplerConfig(temperature=0.0, presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3)
     kw = dict(max_new_tokens=40, sampler=cfg, seed=0)
-    plain = mtplx_ext.generate_batched(rt, prompts, use_mtp_draft=False, **kw)
-    mtp = mtplx_ext.generate_batched(rt, prompts, reject_mode=reject_mode, **kw)
+    plain = mtplx_ext.generate_batched(rt, prompts, use_mtp_draft=False, **kw, depth=1)
+    mtp = mtplx_ext.generate_batched(rt, prompts, reject_mode=reject_mode, **kw, depth=1)
     assert 0 < mtp.accepted < mtp.drafted  # both paths of the cycle were taken
     for i, (a, b) in enumerate(zip(plain.streams, mtp.streams)):
         assert a.tokens == b.tokens, f"stream {i}"

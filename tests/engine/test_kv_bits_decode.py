@@ -110,11 +110,11 @@ def test_rolling_a_stream_back_mid_step_keeps_every_kept_slot_bit_for_bit() -> N
 def test_bad_kv_arguments_are_named() -> None:
     rt = _model("qwen3", 0)
     with pytest.raises(ValueError, match="kv_bits"):
-        generate_greedy_batched(rt, [[1, 2]], max_new_tokens=2, kv_bits=7)
+        generate_greedy_batched(rt, [[1, 2]], max_new_tokens=2, kv_bits=7, depth=1)
     with pytest.raises(ValueError, match="kv_group_size"):
-        generate_greedy_batched(rt, [[1, 2]], max_new_tokens=2, kv_bits=8, kv_group_size=48)
+        generate_greedy_batched(rt, [[1, 2]], max_new_tokens=2, kv_bits=8, kv_group_size=48, depth=1)
     with pytest.raises(ValueError, match="kv_bits"):
-        mtplx_ext.Engine(rt, kv_bits=1)
+        mtplx_ext.Engine(rt, kv_bits=1, depth=1)
     with pytest.raises(ValueError, match="kv_bits"):
         rt.set_kv_quantization(9)
 
@@ -144,7 +144,7 @@ def test_sampling_under_8_bit_kv_gives_the_models_distribution_under_8_bit_kv() 
     N = 4000
     seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
     res = generate_batched(rt, [prompt] * N, max_new_tokens=2, sampler=cfg, row_seeds=seeds, kv_bits=8,
-                           kv_group_size=32)
+                           kv_group_size=32, depth=1)
     pairs = np.array([s.tokens for s in res.streams])
     joint = _joint(rt, prompt, cfg, 8)
     p = g_test_pvalue(np.bincount(pairs[:, 0] * 16 + pairs[:, 1], minlength=256), joint.reshape(-1))

@@ -151,12 +151,12 @@ def test_seeds_that_are_not_ints_are_rejected_naming_the_argument(bad):
     rt = mtplx_ext.init_random("qwen3", fresh_seed(), vocab_size=64, num_hidden_layers=1)
     sampler = SamplerConfig(temperature=0.8)
     with pytest.raises(TypeError, match=r"^row_seeds\[1\] must be an int"):
-        mtplx_ext.generate_batched(rt, [[1], [2]], max_new_tokens=2, sampler=sampler, row_seeds=[4, bad])
+        mtplx_ext.generate_batched(rt, [[1], [2]], max_new_tokens=2, sampler=sampler, row_seeds=[4, bad], depth=1)
     with pytest.raises(TypeError, match=r"^seed must be an int"):
-        mtplx_ext.generate_batched(rt, [[1]], max_new_tokens=2, sampler=sampler, seed=bad)
+        mtplx_ext.generate_batched(rt, [[1]], max_new_tokens=2, sampler=sampler, seed=bad, depth=1)
     # Checked on the greedy path too, where the seeds go unused.
     with pytest.raises(TypeError, match=r"^seed must be an int"):
-        mtplx_ext.generate_batched(rt, [[1]], max_new_tokens=2, seed=bad)
+        mtplx_ext.generate_batched(rt, [[1]], max_new_tokens=2, seed=bad, depth=1)
     with pytest.raises(TypeError, match=r"^row_seeds\[0\] must be an int"):
         SampledPolicy(sampler, row_seeds=[bad])
     with pytest.raises(ValueError, match=r"^row_seeds\[0\] must be an int in \[0, 2\*\*64\)"):
@@ -170,14 +170,14 @@ def test_numpy_integers_decode_as_python_ints_do_compiled_and_sampled():
     V = rt.vocab_size
     prompts = [rng.integers(0, V, size=int(n)).tolist() for n in rng.integers(1, 6, size=3)]
     n = int(rng.integers(2, 7))
-    want = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n)
-    got = mtplx_ext.generate_greedy_batched(rt, [np.array(p) for p in prompts], max_new_tokens=np.int64(n))
+    want = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, depth=1)
+    got = mtplx_ext.generate_greedy_batched(rt, [np.array(p) for p in prompts], max_new_tokens=np.int64(n), depth=1)
     assert got.compiled and [s.tokens for s in got.streams] == [s.tokens for s in want.streams]
     # Seeds and max_new_tokens become Python ints up front; eager steps keep this part cheap.
     seeds = rng.integers(0, 2**63, size=3)
     sampler = SamplerConfig(temperature=0.9, top_k=np.int32(20))
     run = lambda **kw: [  # noqa: E731
-        s.tokens for s in mtplx_ext.generate_batched(rt, prompts, sampler=sampler, enforce_eager=True, **kw).streams
+        s.tokens for s in mtplx_ext.generate_batched(rt, prompts, sampler=sampler, enforce_eager=True, **kw, depth=1).streams
     ]
     assert run(max_new_tokens=np.int32(n), row_seeds=seeds.astype(np.uint64)) == run(
         max_new_tokens=n, row_seeds=seeds.tolist()
@@ -209,7 +209,7 @@ def test_numpy_numbers_work_where_python_numbers_do_in_the_other_entry_points(tm
 @pytest.mark.parametrize("name, call", [
     ("left_padding[1]", lambda rt: rt.make_cache([0, 1.5])),
     ("capacity", lambda rt: rt.make_cache([0], ragged=True, capacity=8.0)),
-    ("max_new_tokens", lambda rt: mtplx_ext.generate_greedy_batched(rt, [[1]], max_new_tokens=3.0)),
+    ("max_new_tokens", lambda rt: mtplx_ext.generate_greedy_batched(rt, [[1]], max_new_tokens=3.0, depth=1)),
     ("seed", lambda rt: mtplx_ext.init_random("qwen3", 1.5)),
 ])
 def test_floats_where_ints_are_taken_are_rejected_naming_the_argument(name, call):

@@ -42,8 +42,8 @@ class Engine:
             from the recurrent states captured at each verified position.
         max_batch: most streams decoding at once.
         depth: drafts per cycle (K); {batch size: K} (0: no drafts; a batch takes the K of the smallest size
-            that holds it); or "auto": for each batch size the K (0 included) that decodes it fastest here
-            (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
+            that holds it); or "auto" (the default): for each batch size the K (0 included) that decodes it
+            fastest here (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
         use_mtp: False decodes plainly (one token per forward), the baseline.
         max_kv_slots: most KV slots held by the running batch (rows times
             its per-row capacity); default max_batch times the context.
@@ -68,7 +68,7 @@ class Engine:
         runtime: Any,
         *,
         max_batch: int = 8,
-        depth: int | str | dict[int, int] = 1,
+        depth: int | str | dict[int, int] = "auto",
         use_mtp: bool = True,
         max_kv_slots: int | None = None,
         prefill_chunk: int = 256,

@@ -68,8 +68,10 @@ class LockstepEngine(Engine):
         runtime: a runtime split across `group` (`checkpoints.sharded.load`).
         group: the `mx.distributed.Group`; rank 0 takes requests.
         watchdog: beaten at every exchange (None: no watchdog).
-        **kwargs: as for `Engine`; `depth="auto"` agrees across ranks only
-            after `collective.agree_auto_depth(group, runtime, [max_batch])`.
+        **kwargs: as for `Engine`; `depth="auto"` (the default) agrees across
+            ranks only after `collective.agree_auto_depth(group, runtime,
+            [max_batch])` (the CLI calls it); ranks that disagree are
+            reported at the next step, by the committed-token hash.
     """
 
     per_batch_depth = False  # one K, agreed by the ranks

@@ -35,7 +35,7 @@ def generate_batched(
     row_seeds: Sequence[int] | None = None,
     stop_token_ids: Sequence[int] = (),
     use_mtp_draft: bool = True,
-    depth: int | str = 1,
+    depth: int | str = autodepth.AUTO,
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,
@@ -64,10 +64,12 @@ def generate_batched(
         use_mtp_draft: False decodes plainly, one token per forward (the
             baseline), through the same runtime.
         depth: drafts per cycle, K in 1..8: the head applied K times, then
-            one [B, K + 1] verification forward; or "auto": the K (0 = plain
-            decoding) that decodes this batch size fastest on this model and
-            machine (`mtplx_ext.engine.autodepth`: a short calibration the
-            first time, cached). The result's `depth` says which.
+            one [B, K + 1] verification forward; or "auto" (the default, as
+            the CLI and the server): the K (0 = plain decoding) that decodes
+            this batch size fastest on this model and machine
+            (`mtplx_ext.engine.autodepth`: a short calibration the first
+            time, cached on disk). The result's `depth` says which. A model
+            without a head decodes plainly under "auto".
         reject_mode: "repair": per-stream commit (each stream keeps its
             accepted drafts, no extra forward) on attention-only trunks and
             on GatedDeltaNet hybrids (qwen3_next, qwen3_5: the recurrent
@@ -248,7 +250,7 @@ def generate_greedy_batched(
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
     use_mtp_draft: bool = True,
-    depth: int | str = 1,
+    depth: int | str = autodepth.AUTO,
     reject_mode: str = "repair",
     serial: bool = False,
     on_commit: OnCommit | None = None,

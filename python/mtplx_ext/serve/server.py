@@ -111,7 +111,7 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8080,
     max_batch: int = limits.DEFAULT_MAX_BATCH,
-    depth: int = 1,
+    depth: int | str = "auto",
     use_mtp: bool = True,
     api_key: str | None = None,
     model_name: str | None = None,
