@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import pytest
 
 import mtplx_ext
@@ -24,7 +25,9 @@ def fresh_cache(tmp_path, monkeypatch):
 def _random_costs(rng, batch: int) -> tuple[DepthCosts, list[float]]:
     plain = float(rng.uniform(0.001, 0.2))
     slope = float(rng.uniform(0.0, 1.5))  # verification + head cost per extra draft, in plain steps
-    cycle = {"0": plain, **{str(k): plain * (1 + float(rng.uniform(0, 0.4)) + slope * k) for k in range(1, 6)}}
+    # A cycle at K does what one at K - 1 does and more: costs rise with K (`autodepth.cycle_cost`).
+    steps = np.cumsum(rng.uniform(0, 0.4 / 5, size=5))
+    cycle = {"0": plain, **{str(k): plain * (1 + float(steps[k - 1]) + slope * k) for k in range(1, 6)}}
     acc = [float(a) for a in rng.uniform(0.2, 0.98, 5)]
     return DepthCosts(batch=batch, cycle_s=cycle, acceptance=acc), acc
 
@@ -45,6 +48,20 @@ def test_plain_decoding_is_chosen_where_mtp_would_lose():
     costs = DepthCosts(batch=8, cycle_s={"0": 1.0, "1": 2.2, "2": 3.0, "3": 3.9}, acceptance=[0.9, 0.9, 0.9])
     assert choose_depth(costs) == 0
     assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+
+
+def test_a_deep_cycle_measured_cheaper_than_a_shallower_one_counts_as_the_shallower_ones_cost(rng):
+    # The batch-8 calibration of the shipped model once read K = 4 and 5 below K = 3 (noise): at face value
+    # K = 5 beat plain decoding by 5 %; with each cost raised to the dearest shallower depth's, plain wins.
+    acc = [0.8, 0.77, 0.89, 0.75, 0.82]
+    noisy = DepthCosts(batch=8, cycle_s={"0": 2.455e-3, "1": 4.644e-3, "2": 6.468e-3, "3": 9.528e-3, "4": 8.717e-3,
+                                         "5": 8.658e-3}, acceptance=acc)
+    assert [autodepth.cycle_cost(noisy, k) for k in range(6)] == [2.455e-3, 4.644e-3, 6.468e-3] + [9.528e-3] * 3
+    assert autodepth.choose_depth(noisy) == 0
+    # Costs that rise with K are taken as measured.
+    rising = sorted(rng.uniform(1e-3, 1e-2, size=6))
+    costs = DepthCosts(batch=1, cycle_s={str(k): t for k, t in enumerate(rising)}, acceptance=[0.9] * 5)
+    assert [autodepth.cycle_cost(costs, k) for k in range(6)] == list(rising)
 
 
 def test_auto_calibrates_once_per_model_and_batch_then_reads_its_cache(shipped, monkeypatch):

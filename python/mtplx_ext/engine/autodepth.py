@@ -82,11 +82,23 @@ def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
     return total
 
 
+def cycle_cost(costs: DepthCosts, depth: int) -> float:
+    """Seconds of a cycle at `depth`: the measured cost, raised to the dearest shallower depth's.
+
+    A cycle at K does what one at K - 1 does and more (a head step, a wider
+    verification), so a measured cost below a shallower depth's is timing
+    noise; taken at face value it would make a deep K look cheap (seen:
+    K = 4 and 5 measured below K = 3 at batch 8, and auto ran K = 5 where
+    plain decoding was faster).
+    """
+    return max(t for k, t in costs.cycle_s.items() if int(k) <= depth)
+
+
 def tokens_per_s(costs: DepthCosts, depth: int, acceptance: Sequence[float] | None = None) -> float:
     """Predicted tokens per second of all streams at `depth`."""
     acc = costs.acceptance if acceptance is None else acceptance
     per_cycle = 1.0 if depth == 0 else expected_tokens(acc, depth)
-    return costs.batch * per_cycle / costs.cycle_s[str(depth)]
+    return costs.batch * per_cycle / cycle_cost(costs, depth)
 
 
 def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None) -> int:
@@ -377,6 +389,7 @@ def remember(runtime: Any, batch: int, costs: DepthCosts, max_depth: int = MAX_A
 
 __all__ = [
     "AUTO", "FINGERPRINT_SAMPLES", "HALF_LIFE", "MAX_AUTO_DEPTH", "PRIOR_WEIGHT", "DepthCosts", "RunningAcceptance", "cache_dir",
-    "calibrate", "calibration_file", "calibration_key", "calibration_prompts", "choose_depth", "cpu_model", "depth_costs",
+    "calibrate", "calibration_file", "calibration_key", "calibration_prompts", "choose_depth", "cpu_model", "cycle_cost",
+    "depth_costs",
     "expected_tokens", "recalibration_requested", "remember", "request_recalibration", "tokens_per_s", "weights_fingerprint",
 ]
