@@ -257,6 +257,8 @@ def generate_greedy_batched(
     enforce_eager: bool = False,
     kv_bits: int | None = None,
     kv_group_size: int = 64,
+    constraints: Sequence[Constraint | None] | None = None,
+    compact_rows: bool = True,
 ) -> BatchedDecodeResult:
     """Greedy batched MTP decoding: `generate_batched` at temperature 0.
 
@@ -275,4 +277,6 @@ def generate_greedy_batched(
         enforce_eager=enforce_eager,
         kv_bits=kv_bits,
         kv_group_size=kv_group_size,
+        constraints=constraints,
+        compact_rows=compact_rows,
     )

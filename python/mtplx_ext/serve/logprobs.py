@@ -23,10 +23,9 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
+from mtplx_ext.batching.token_logprobs import Entry
 from mtplx_ext.engine.logprobs import TOP_MAX
 from mtplx_ext.serve.errors import BadRequest
-
-Entry = tuple[float, list[tuple[int, float]]]
 
 
 def requested(body: dict, kind: str) -> int | None:
