@@ -103,3 +103,14 @@ def test_every_bench_script_that_writes_json_records_provenance():
             "new.py": 'ap.add_argument("--json")\nreport["provenance"] = provenance([a.model])',
             "no_json.py": "print(1)"}
     assert without_provenance(fake) == ["old.py"]
+
+
+def test_every_current_result_says_where_it_came_from():
+    # Results recorded before provenance live in bench/results/archive/; everything else names its commit and CPU.
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    missing = [p.name for p in sorted(results.glob("*.json"))
+               if not {"commit", "cpu"} <= set((json.loads(p.read_text()).get("provenance") or {}))]
+    assert not missing, missing

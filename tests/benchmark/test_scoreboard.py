@@ -42,7 +42,7 @@ def board(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
     shipped = provenance([None])
-    rows = json.loads((ROOT / "bench" / "results" / "long_context_shipped.json").read_text())["rows"]
+    rows = json.loads((ROOT / "bench" / "results" / "archive" / "long_context_shipped.json").read_text())["rows"]
     other_head = copy.deepcopy(shipped)
     other_head["models"][0]["head_sha256"] = "0" * 64
     files = {
@@ -87,7 +87,7 @@ def test_runs_that_differ_in_what_they_measured_both_stay(board):
 
 def test_headlines_of_the_other_scripts_read_their_real_files():
     def real(name: str) -> dict:
-        return json.loads((ROOT / "bench" / "results" / name).read_text())
+        return json.loads((ROOT / "bench" / "results" / "archive" / name).read_text())
 
     assert sb.headline("llama_cpp_peer.py", real("llama_cpp_peer_grown.json"))[0] == \
         "F32 b1: llama.cpp 16.8, plain 19.3, MTP K=3 38.4 tok/s"
