@@ -1,4 +1,5 @@
-"""Servers for the serve tests: `mtplx-ext serve` in a subprocess, or the app over a scripted engine in a thread.
+"""Servers for the serve tests, in this process: `mtplx-ext serve FLAGS` (`LiveServer`), or the app over a
+scripted engine (`AppThread.scripted`), on uvicorn in a thread. (`mtplx-ext serve` as a process: `_live_server`.)
 
 `ScriptedEngine` stands in for `Engine` where a test must steer the model's
 output (a tool call the shipped code model would never write): it answers
@@ -8,6 +9,7 @@ real `Request` / `Detokenizer` / `Event` path, and records each prompt.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -15,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _live_server import free_port
 
+import _seed
 from mtplx_ext.batching import Event, Request
-from mtplx_ext.serve import API, create_app, load_chat_tokenizer
+from mtplx_ext.serve import API, build_api, create_app, load_chat_tokenizer, started
+from mtplx_ext.serve.server import bind
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 #: The API key of the shared live server (`tests/serve/conftest.py`): a bearer token or x-api-key.
@@ -64,7 +67,7 @@ class ScriptedEngine:
         self.vocab = tokenizer.get_vocab_size()
         self.reply = ""
         self.prompts: list[list[int]] = []
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(_seed.fresh() if seed is None else seed)
 
     def submit(self, prompt: list[int], *, on_event: Any = None, max_tokens: int = 64, sampler: Any = None,
                stop: Any = (), seed: int | None = None, stop_token_ids: Any = (), constraint: Any = None,
@@ -93,28 +96,101 @@ class ScriptedEngine:
 
 
 class AppThread:
-    """The HTTP app over `engine` on uvicorn, in a thread on a free port of 127.0.0.1."""
+    """`create_app(api)` on uvicorn, in a thread, on a port of 127.0.0.1 bound here (real TCP: the official
+    clients, raw sockets, keep-alive and clients that go away all behave as against `mtplx-ext serve`)."""
 
-    def __init__(self, engine: Any, folder: Path, api_key: str | None = None, model_name: str = "stub"):
+    def __init__(self, api: API):
         import uvicorn
 
-        self.api = API(engine, model_name, engine.tokenizer, load_chat_tokenizer(folder), api_key,
-                       eos_ids(engine.tokenizer))
-        port = free_port()
-        self.base = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.api), host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.api = api
+        self.sock = bind("127.0.0.1", 0)
+        self.base = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(api), log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    @classmethod
+    def scripted(cls, engine: Any, folder: Path, api_key: str | None = None, model_name: str = "stub") -> "AppThread":
+        """The app over a `ScriptedEngine` (no warm-up, nothing to start) with `folder`'s chat template."""
+        return cls(API(engine, model_name, engine.tokenizer, load_chat_tokenizer(folder), api_key,
+                       eos_ids(engine.tokenizer)))
 
     def __enter__(self) -> "AppThread":
         self.thread.start()
         deadline = time.time() + 30
         while not self.server.started:
-            if time.time() > deadline:
+            if time.time() > deadline or not self.thread.is_alive():
                 raise AssertionError("the app did not start in 30 s")
-            time.sleep(0.05)
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+        self.sock.close()
+        assert not self.thread.is_alive(), "the app did not shut down in 30 s"
+
+
+class _Handed(Exception):
+    """Raised in place of `serve`: the CLI has handed it everything."""
+
+
+def cli_serve_args(*flags: str) -> tuple[Any, Path, dict[str, Any]]:
+    """What `mtplx-ext serve FLAGS` hands `serve`: (runtime, folder, keyword arguments).
+
+    The CLI runs as it does in its own process (flag checks, the model loaded
+    as it loads it, --depth auto calibrated) up to the call of `serve`, which
+    is caught; its socket (port 0 here) is closed again.
+    """
+    from mtplx_ext import cli
+    from mtplx_ext.serve import server
+
+    got: dict[str, Any] = {}
+
+    def hand(runtime: Any, folder: Any, **kwargs: Any) -> None:
+        got.update(runtime=runtime, folder=Path(folder), kwargs=kwargs)
+        raise _Handed
+
+    real = server.serve
+    server.serve = hand
+    try:
+        code = cli.main(["serve", *flags, "--port", "0"])
+        raise AssertionError(f"mtplx-ext serve {' '.join(flags)} never reached serve (status {code})")
+    except _Handed:
+        return got["runtime"], got["folder"], got["kwargs"]
+    finally:
+        server.serve = real
+
+
+class LiveServer:
+    """`mtplx-ext serve FLAGS` in this process: what the CLI makes of FLAGS (`cli_serve_args`), served as
+    `serve` serves it (`build_api`, the engine `started` and warmed up), by uvicorn in a thread (`AppThread`).
+
+    What needs the process itself (signals, exit status, the process's memory,
+    the interpreter's start and end) is tested against `mtplx-ext serve` in a
+    subprocess (`_live_server`); everything else against this.
+    """
+
+    def __init__(self, *flags: str, warm: bool = True):
+        import inspect
+
+        runtime, folder, kwargs = cli_serve_args(*flags)
+        own = inspect.signature(build_api).parameters
+        self.runtime = runtime
+        self.api = build_api(runtime, folder, **{k: v for k, v in kwargs.items() if k in own})
+        self.key = self.api.api_key
+        self.warm = warm
+        self.log: list[str] = []
+        self.app = AppThread(self.api)
+        self.base = self.app.base
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "LiveServer":
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(started(self.api, warm=self.warm, log=self.log.append))
+            stack.enter_context(self.app)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()  # the app, then the engine (as `serve` ends)

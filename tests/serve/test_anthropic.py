@@ -124,7 +124,7 @@ def test_errors_are_anthropic_shaped(server):
 def tool_app(tmp_path_factory):
     folder = tool_model_folder(tmp_path_factory.mktemp("tool-model"))
     eng = ScriptedEngine(mtplx_ext.load(SHIPPED_MODEL).tokenizer)
-    with AppThread(eng, folder, api_key=KEY) as a:
+    with AppThread.scripted(eng, folder, api_key=KEY) as a:
         yield a, eng, load_chat_tokenizer(folder)
 
 

@@ -1,4 +1,5 @@
-"""`mtplx-ext serve` under clients that go away, odd bodies and loose headers (127.0.0.1 only)."""
+"""`mtplx-ext serve` under clients that go away, odd bodies and loose headers (127.0.0.1 only; in this process:
+tests/_serve.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from _live_server import metrics, start, stop  # noqa: E402
+from _live_server import metrics  # noqa: E402
+from _serve import LiveServer, cli_serve_args  # noqa: E402
 
 KEY = "rel-key-" + os.urandom(4).hex()
 MODEL = "tiny-qwen3-mtp"
@@ -23,9 +25,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start("--api-key", KEY, "--max-batch", "4", "--depth", "2", "--max-body-mb", "1")
-    yield base
-    assert stop(proc) == 0
+    with LiveServer("--api-key", KEY, "--max-batch", "4", "--depth", "2", "--max-body-mb", "1") as s:
+        yield s.base
 
 
 def _decoding(base: str, n: int, timeout: float = 20) -> dict:
@@ -184,17 +185,40 @@ def test_the_bearer_scheme_is_case_insensitive(server, scheme):
 
 
 def test_the_server_reports_its_warm_up_and_starts_its_counters_at_zero():
-    proc, base = start("--max-batch", "3", "--depth", "1", "--prefix-cache-mb", "8")
-    try:
-        m = metrics(base)
-    finally:
-        code = stop(proc)
-    out = proc.stdout.read().decode()
-    assert code == 0, out
-    lines = out.splitlines()
+    # `serve` as `mtplx-ext serve` calls it, on this process's main thread, ended by a real SIGINT once the
+    # metrics are read.
+    import signal
+    import threading
+
+    from mtplx_ext.serve import serve
+    from mtplx_ext.serve.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    got: dict = {}
+
+    def client() -> None:  # the metrics once ready, then the signal (sent whatever happened, so serve returns)
+        try:
+            deadline = time.time() + 60
+            while time.time() < deadline and "m" not in got:
+                try:
+                    got["m"] = metrics(base)
+                except httpx.HTTPError:
+                    time.sleep(0.02)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    lines: list[str] = []
+    driver = threading.Thread(target=client)
+    driver.start()
+    runtime, folder, kwargs = cli_serve_args("--max-batch", "3", "--depth", "1", "--prefix-cache-mb", "8")
+    serve(runtime, folder, **{**kwargs, "sock": sock, "log": lines.append})
+    driver.join(30)
+    out = "\n".join(lines)
     warm = [i for i, line in enumerate(lines) if line.startswith("mtplx-ext serve: warmed up in ")]
     ready = [i for i, line in enumerate(lines) if line.startswith("mtplx-ext serve: ready on http://127.0.0.1:")]
     assert warm and ready and warm[0] < ready[0], out
     assert "at batch 1 and 3" in lines[warm[0]]
+    m = got["m"]
     assert all(m[k] == 0 for k in ("submitted", "finished", "cancelled", "failed", "generated_tokens", "cycles"))
     assert m["prefix_entries"] == 0 and m["prefix_lookups"] == 0

@@ -1,7 +1,8 @@
 """`mtplx-ext serve --drafter`: a Gemma 4 target with its assistant behind the OpenAI API, end to end.
 
 The trained pair under bench/models/tiny-gemma4-pair (a `gemma4_text` target
-and its `gemma4_assistant`) is served on 127.0.0.1 with MTP at depth 2.
+and its `gemma4_assistant`) is served on 127.0.0.1 with MTP at depth 2 (in
+this process: tests/_serve.py; the CLI loads the pair from its flags).
 Concurrent greedy requests, longer than the target's sliding window, must
 each give the text that the offline engine gives for the same request alone,
 the assistant's drafts must be accepted (the drafter really ran), and the
@@ -13,10 +14,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-from _live_server import start, stop
+from _live_server import wait_idle
+from _serve import LiveServer
 import _seed
 
 openai = pytest.importorskip("openai")
@@ -46,10 +47,9 @@ def test_greedy_requests_to_a_served_pair_equal_the_offline_engine_and_accept_dr
     window = int(pair.trunk.args.sliding_window)
     seed = int(_seed.rng().integers(1 << 30))
     prompts = [pair.tokenizer.decode(p) for p in heldout_prompts(pair.tokenizer, 4, window + 16, seed=seed)]
-    proc, base = start("--model", str(PAIR / "target"), "--drafter", str(PAIR / "assistant"),
-                       "--depth", "2", "--max-batch", "4")
-    try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
+    with LiveServer("--model", str(PAIR / "target"), "--drafter", str(PAIR / "assistant"),
+                    "--depth", "2", "--max-batch", "4") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=120, max_retries=0)
 
         def ask(text: str) -> str:
             r = client.completions.create(model="target", prompt=text, max_tokens=N_TOKENS, temperature=0)
@@ -57,10 +57,7 @@ def test_greedy_requests_to_a_served_pair_equal_the_offline_engine_and_accept_dr
 
         with cf.ThreadPoolExecutor(4) as pool:
             served = list(pool.map(ask, prompts))
-        m = httpx.get(base + "/metrics").json()
-    finally:
-        code = stop(proc)
-    assert code == 0
+        m = wait_idle(server.base)
     for text, got in zip(prompts, served):
         ids = pair.tokenizer.encode(text).ids
         assert len(ids) > window

@@ -1,4 +1,5 @@
-"""logprobs / top_logprobs and logit_bias through `mtplx-ext serve` (MTP on), with the official openai client.
+"""logprobs / top_logprobs and logit_bias through `mtplx-ext serve` (MTP on; in this process: tests/_serve.py),
+with the official openai client.
 
 Logprobs must equal the float64 log-softmax of the shipped model's logits at
 each committed position (one full trunk forward over the prompt, as the
@@ -20,7 +21,8 @@ openai = pytest.importorskip("openai")
 import mtplx_ext  # noqa: E402
 from mtplx_ext.serve import load_chat_tokenizer, params  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
-from _live_server import start, stop  # noqa: E402
+from _live_server import wait_idle  # noqa: E402
+from _serve import LiveServer  # noqa: E402
 from test_serve import KEY, _client  # noqa: E402
 
 MODEL = "tiny-qwen3-mtp"
@@ -28,9 +30,8 @@ MODEL = "tiny-qwen3-mtp"
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start("--api-key", KEY, "--max-batch", "4", "--depth", "2")
-    yield base
-    assert stop(proc) == 0
+    with LiveServer("--api-key", KEY, "--max-batch", "4", "--depth", "2") as s:
+        yield s.base
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def test_chat_logprobs_equal_the_log_softmax_of_the_models_logits(server, shippe
     tok = shipped.tokenizer
     ids = [_ids_from_bytes(tok, c.bytes) for c in content]
     assert tok.decode(ids) == r.choices[0].message.content
+    wait_idle(server, KEY)  # the server's engine (this process's) has taken its last step before this forward
     ref = _reference(shipped, _chat_prompt(shipped, messages), ids)
     for t, c in enumerate(content):
         assert abs(c.logprob - ref[t, ids[t]]) <= 2e-4 * (1 + abs(ref[t, ids[t]])), t

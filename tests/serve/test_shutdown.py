@@ -2,12 +2,13 @@
 
 Twenty shutdowns run `serve` in this process (the signal is real, sent to
 this process while its main thread serves), so they cost no interpreter
-start each; a few more run `mtplx-ext serve` as its own process for the
-exit status.
+start each; three more run `mtplx-ext serve` as its own process for the
+exit status (the server tests' only restarts of the process).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from mtplx_ext.serve import serve
 from mtplx_ext.serve.server import bind
 from mtplx_ext.shipped import SHIPPED_MODEL
 
-from _live_server import metrics, spawn, wait_ready
+from _live_server import metrics, spawn, start, stop, wait_ready
 
 GRACE = 1.0
 LONG = 3000  # tokens: far more than the grace period decodes
@@ -128,7 +129,10 @@ def test_twenty_signals_under_streaming_load_end_the_streams_and_return_within_t
         threading.excepthook = old_hook
 
 
-def test_the_server_process_exits_0_within_the_grace_period_plus_a_second_on_either_signal():
+def test_a_server_process_started_and_stopped_many_times_exits_0_cleanly_and_within_the_grace_period_on_either_signal():
+    # The process's own ending: SIGTERM and SIGINT under streaming load (it exits 0 within the grace period
+    # plus a second, the streams ended as above), then a server on the default flags stopped after a
+    # request finished and with another in flight (it exits 0, cleanly).
     for sig in (signal.SIGTERM, signal.SIGINT):
         proc, base = spawn("--max-batch", "4", "--depth", "1", "--prefix-cache-mb", "0",
                            "--shutdown-grace", str(GRACE))
@@ -149,3 +153,18 @@ def test_the_server_process_exits_0_within_the_grace_period_plus_a_second_on_eit
         assert took <= GRACE + 1.0, (sig, took)
         assert "Traceback" not in log and "Event loop is closed" not in log and "terminate" not in log, log
         _check_streams(outs)
+    proc, base = start("--max-batch", "4")
+    assert httpx.post(base + "/v1/completions", json={"prompt": "import os", "max_tokens": 4},
+                      timeout=60).status_code == 200
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(httpx.post, base + "/v1/completions",
+                          json={"prompt": "import os", "max_tokens": 200, "temperature": 0}, timeout=60)
+        time.sleep(0.3)
+        code = stop(proc)
+        try:
+            fut.result()
+        except httpx.HTTPError:
+            pass
+    log = proc.stdout.read().decode()
+    assert code == 0, log
+    assert "Traceback" not in log and "Abort" not in log, log

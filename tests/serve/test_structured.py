@@ -1,4 +1,5 @@
-"""Structured outputs through the official openai client against `mtplx-ext serve` on 127.0.0.1.
+"""Structured outputs through the official openai client against `mtplx-ext serve` on 127.0.0.1 (in this process:
+tests/_serve.py).
 
 `response_format` json_schema (strict) answers validate against their schema
 (jsonschema), greedy and sampled, with MTP on (the response's `mtp` field
@@ -20,7 +21,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
-from _live_server import start, stop  # noqa: E402
+from _serve import LiveServer  # noqa: E402
 
 from mtplx_ext.serve.tools import forced_call_schema, tool_format  # noqa: E402
 
@@ -44,9 +45,8 @@ PROMPTS = ["def parse(data):\n    return", "config = ", "class Point:\n    def t
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start("--max-batch", "4", "--depth", "2")
-    yield base
-    assert stop(proc) == 0
+    with LiveServer("--max-batch", "4", "--depth", "2") as s:
+        yield s.base
 
 
 def client(base: str):

@@ -152,7 +152,7 @@ def app(tmp_path_factory):
     folder = tool_model_folder(tmp_path_factory.mktemp("tool-model"))
     rt_tok = mtplx_ext.load(SHIPPED_MODEL).tokenizer
     eng = ScriptedEngine(rt_tok)
-    with AppThread(eng, folder) as a:
+    with AppThread.scripted(eng, folder) as a:
         yield a, eng, load_chat_tokenizer(folder)
 
 

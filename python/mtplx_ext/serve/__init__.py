@@ -5,8 +5,11 @@ the Messages API, `tools` tool calling (checks, template messages, parsing
 the reply), `params` and `fields` the request-field checks, `body` the
 body's size limit and the JSON values nothing downstream can use, `errors`
 the 400s, `disconnect` the hand-over of engine events and the watch for
-clients that went away; `server` binds the port, warms the engine up
-(`warmup`) and runs uvicorn with a bounded shutdown.
+clients that went away; `server` builds the API over a new engine
+(`build_api`), starts and warms it up (`started`, `warmup`), binds the
+port and runs uvicorn with a bounded shutdown (`serve`). `build_api` and
+`started` also serve `create_app(api)` elsewhere: another ASGI server or
+client in the same process.
 
 The HTTP handlers only parse, queue work for the engine's thread and stream
 its events back; every MLX call runs on the engine's thread.
@@ -23,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from mtplx_ext.serve.app import API, create_app
     from mtplx_ext.serve.errors import BadRequest, error_response
-    from mtplx_ext.serve.server import load_chat_tokenizer, serve
+    from mtplx_ext.serve.server import build_api, load_chat_tokenizer, serve, started
 
 _LAZY = {"API": "app", "create_app": "app", "BadRequest": "errors", "error_response": "errors",
-         "load_chat_tokenizer": "server", "serve": "server"}
+         "build_api": "server", "load_chat_tokenizer": "server", "serve": "server", "started": "server"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,4 +38,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'mtplx_ext.serve' has no attribute {name!r}")
 
 
-__all__ = ["API", "BadRequest", "create_app", "error_response", "load_chat_tokenizer", "serve"]
+__all__ = ["API", "BadRequest", "build_api", "create_app", "error_response", "load_chat_tokenizer", "serve", "started"]

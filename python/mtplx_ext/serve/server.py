@@ -104,6 +104,57 @@ def _server_class() -> type:
     return Server
 
 
+def build_api(
+    runtime: Any,
+    folder: str | Path,
+    *,
+    max_batch: int = limits.DEFAULT_MAX_BATCH,
+    depth: int = 1,
+    use_mtp: bool = True,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    max_kv_slots: int | None = None,
+    prefill_chunk: int = limits.DEFAULT_PREFILL_CHUNK,
+    prefix_cache_bytes: int = limits.DEFAULT_PREFIX_CACHE_MB << 20,
+    max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
+    group: Any = None,
+    watchdog: Any = None,
+) -> API:
+    """The `API` that `serve` serves: a new engine over `runtime` (not started yet) and `folder`'s chat template.
+
+    The arguments are `serve`'s. With a distributed `group` the engine is
+    rank 0's `LockstepEngine`. `started` runs it; `create_app(api)` is the
+    ASGI app, for uvicorn (as `serve` runs it) or any other ASGI server or
+    client (Starlette's TestClient, httpx's ASGI transport).
+    """
+    kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
+                  prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if group is not None:
+        engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
+    else:
+        engine = Engine(runtime, **kwargs)
+    return API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
+               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
+
+
+@contextlib.contextmanager
+def started(api: API, *, warm: bool = True, log: Callable[[str], None] | None = None) -> Iterator[API]:
+    """Starts `api`'s engine, warmed up (`warmup.warm_up`) when `warm`, and stops it when the block ends.
+
+    `log` (default: stderr) says how long the warm-up took. `serve` answers
+    HTTP inside this block; so can any other server of `create_app(api)`.
+    """
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    api.engine.start()
+    try:
+        if warm:
+            seconds, what = warm_up(api.engine)
+            log(f"mtplx-ext serve: warmed up in {seconds:.2f} s ({what})")
+        yield api
+    finally:
+        api.engine.stop()
+
+
 def serve(
     runtime: Any,
     folder: str | Path,
@@ -140,35 +191,29 @@ def serve(
     """
     if not shutdown_grace >= 0:
         raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace!r}")
-    kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                  prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
     if group is not None and group.rank() != 0:
-        LockstepEngine(runtime, group, watchdog=watchdog, **kwargs).follow()
+        LockstepEngine(runtime, group, watchdog=watchdog, max_batch=max_batch, depth=depth, use_mtp=use_mtp,
+                       max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
+                       prefix_cache_bytes=prefix_cache_bytes).follow()
         return
     import uvicorn  # noqa: PLC0415
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    if group is not None:
-        engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
-    else:
-        engine = Engine(runtime, **kwargs)
-    api = API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
-              eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
+    api = build_api(runtime, folder, max_batch=max_batch, depth=depth, use_mtp=use_mtp, api_key=api_key,
+                    model_name=model_name, max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, group=group,
+                    watchdog=watchdog)
     sock = sock if sock is not None else bind(host, port)
-    engine.start()
     try:
-        if warm:
-            seconds, what = warm_up(engine)
-            log(f"mtplx-ext serve: warmed up in {seconds:.2f} s ({what})")
-        server = _server_class()(uvicorn.Config(create_app(api), log_level=log_level,
-                                                timeout_graceful_shutdown=int(shutdown_grace) + 5))
-        server.engine, server.grace = engine, shutdown_grace
-        name = sock.getsockname()
-        log(f"mtplx-ext serve: ready on http://{name[0]}:{name[1]}")
-        server.run(sockets=[sock])
+        with started(api, warm=warm, log=log):
+            server = _server_class()(uvicorn.Config(create_app(api), log_level=log_level,
+                                                    timeout_graceful_shutdown=int(shutdown_grace) + 5))
+            server.engine, server.grace = api.engine, shutdown_grace
+            name = sock.getsockname()
+            log(f"mtplx-ext serve: ready on http://{name[0]}:{name[1]}")
+            server.run(sockets=[sock])
     finally:
-        engine.stop()
         sock.close()
 
 
-__all__ = ["SHUTDOWN_MESSAGE", "bind", "load_chat_tokenizer", "serve"]
+__all__ = ["SHUTDOWN_MESSAGE", "bind", "build_api", "load_chat_tokenizer", "serve", "started"]
