@@ -109,7 +109,7 @@ def build_api(
     folder: str | Path,
     *,
     max_batch: int = limits.DEFAULT_MAX_BATCH,
-    depth: int = 1,
+    depth: int | str = "auto",
     use_mtp: bool = True,
     api_key: str | None = None,
     model_name: str | None = None,
