@@ -49,6 +49,23 @@ NB_MODULE(_ext, m) {
   // The most drafts one cycle may verify (the kernels' chain buffers).
   m.attr("MAX_CHAIN_DRAFTS") = mtplx::kMaxChainDrafts;
 
+  // The bundle layouts the kernels write (mtplx_rules.h), column index by
+  // name, so that the Python wrappers read them instead of keeping a copy.
+  nb::dict bundle;
+  bundle["x0"] = mtplx::kColX0;
+  bundle["draft"] = mtplx::kColDraft;
+  bundle["second"] = mtplx::kColSecond;
+  bundle["accept"] = mtplx::kColAccept;
+  bundle["bonus"] = mtplx::kColBonus;
+  m.attr("BUNDLE_LAYOUT") = bundle;
+  nb::dict chain;
+  chain["x0"] = mtplx::kChainColX0;
+  chain["accepted"] = mtplx::kChainColAccepted;
+  chain["first"] = mtplx::kChainColFirst;
+  m.attr("CHAIN_LAYOUT") = chain;
+  // The value of an unusable token or accept entry.
+  m.attr("INVALID") = mtplx::kInvalid;
+
   mtplx::bind_verify(m);
   mtplx::bind_state(m);
   mtplx::bind_sampling(m);

@@ -101,29 +101,33 @@ inline void write_chain_row(
 
 // logits [B, K + 1, V] raw bits; tokens [B, K + 1]; bundle [B, K + 3];
 // bias: with kBiased the dense [B, V] float32 logit bias, added to every
-// verification row of the stream before its argmax (read only then). One
-// row of both kernels below; `partials` holds 3 * 32 ints.
+// verification row of the stream before its argmax (without it, unbound).
+// chain.metal instantiates both: verify_greedy_chain_* and
+// verify_greedy_chain_biased_*. Grid: B threadgroups of a multiple of 32
+// threads up to 1024.
 template <typename K, typename TokT, bool kBiased>
-inline void verify_greedy_chain_row(
-    const device typename K::bits_t* logits,
-    const device TokT* tokens,
-    device int* bundle,
-    int vocab,
-    int drafts,
-    const device float* bias,
-    threadgroup int* partials,
-    uint row,
-    uint tid,
-    uint tg_size,
-    uint lane,
-    uint sg,
-    uint num_sg) {
+[[kernel]] void verify_greedy_chain(
+    const device typename K::bits_t* logits [[buffer(0)]],
+    const device TokT* tokens [[buffer(1)]],
+    device int* bundle [[buffer(2)]],
+    constant int& vocab [[buffer(3)]],
+    constant int& drafts [[buffer(4)]],
+    const device float* bias [[buffer(5)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint tg_size [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup int partials[3 * 32];
   const int V = vocab;
   const int KD = min(drafts, kMaxChainDrafts);
   const int T = KD + 1;
   const device TokT* tok = tokens + size_t(row) * T;
   const device typename K::bits_t* x = logits + size_t(row) * T * V;
-  const device float* br = kBiased ? bias + size_t(row) * V : bias;
+  // Without kBiased the arm reading `bias` folds away at compile time: the
+  // argument is inactive and the host leaves its slot unbound.
+  const device float* br = kBiased ? bias + size_t(row) * V : nullptr;
   const TokT x0 = tok[0];
   const bool x0_ok = x0 >= 0 && x0 < TokT(V);
   int c[kMaxChainDrafts + 1];
@@ -159,71 +163,34 @@ inline void verify_greedy_chain_row(
   }
 }
 
-// verify_greedy_chain_row without a bias. Grid: B threadgroups of a multiple
-// of 32 threads up to 1024 (both kernels).
-template <typename K, typename TokT>
-[[kernel]] void verify_greedy_chain(
-    const device typename K::bits_t* logits [[buffer(0)]],
-    const device TokT* tokens [[buffer(1)]],
-    device int* bundle [[buffer(2)]],
-    constant int& vocab [[buffer(3)]],
-    constant int& drafts [[buffer(4)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup int partials[3 * 32];
-  // No bias: nothing is bound at buffer(5), and the pointer is never read.
-  verify_greedy_chain_row<K, TokT, false>(
-      logits, tokens, bundle, vocab, drafts, nullptr, partials, row, tid,
-      tg_size, lane, sg, num_sg);
-}
-
-// verify_greedy_chain with a logit bias: bias [B, V] float32 (dense).
-template <typename K, typename TokT>
-[[kernel]] void verify_greedy_chain_biased(
-    const device typename K::bits_t* logits [[buffer(0)]],
-    const device TokT* tokens [[buffer(1)]],
-    device int* bundle [[buffer(2)]],
-    constant int& vocab [[buffer(3)]],
-    constant int& drafts [[buffer(4)]],
-    const device float* bias [[buffer(5)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup int partials[3 * 32];
-  verify_greedy_chain_row<K, TokT, true>(
-      logits, tokens, bundle, vocab, drafts, bias, partials, row, tid,
-      tg_size, lane, sg, num_sg);
-}
-
 // verify_logits [B, K + 1, V] and draft_logits [B, K, V] bits; tokens
 // [B, K + 1]; uniforms [B, K + 2]; params [B, kParamCols]; counts [B, V]
-// (bound when has_counts); bundle [B, K + 3]; bias: the stream's dense
-// [B, V] logit bias, added to its target and draft rows (read only when
-// has_bias). One row of both kernels below.
-template <typename K, typename TokT>
-inline void verify_sampled_chain_row(
-    const device typename K::bits_t* vlogits,
-    const device typename K::bits_t* dlogits,
-    const device TokT* tokens,
-    const device float* uniforms,
-    const device float* params,
-    const device int* counts,
-    device int* bundle,
-    int vocab,
-    int has_counts,
-    int drafts,
-    const device float* bias,
-    bool has_bias,
-    uint row,
-    TgCtx c) {
-  const uint tid = c.tid;
+// (bound when has_counts); bundle [B, K + 3]; bias: with kBiased the
+// stream's dense [B, V] logit bias, added to its target and draft rows
+// (without it, unbound). chain.metal instantiates both:
+// verify_sampled_chain_* and verify_sampled_chain_biased_*.
+template <typename K, typename TokT, bool kBiased>
+[[kernel]] void verify_sampled_chain(
+    const device typename K::bits_t* vlogits [[buffer(0)]],
+    const device typename K::bits_t* dlogits [[buffer(1)]],
+    const device TokT* tokens [[buffer(2)]],
+    const device float* uniforms [[buffer(3)]],
+    const device float* params [[buffer(4)]],
+    const device int* counts [[buffer(5)]],
+    device int* bundle [[buffer(6)]],
+    constant int& vocab [[buffer(7)]],
+    constant int& has_counts [[buffer(8)]],
+    constant int& drafts [[buffer(9)]],
+    const device float* bias [[buffer(10)]],
+    uint row [[threadgroup_position_in_grid]],
+    uint tid [[thread_position_in_threadgroup]],
+    uint tg_size [[threads_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint num_sg [[simdgroups_per_threadgroup]]) {
+  threadgroup float fs[32];
+  threadgroup int is[32];
+  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
   const int V = vocab;
   const int KD = min(drafts, kMaxChainDrafts);
   const int T = KD + 1;
@@ -237,8 +204,10 @@ inline void verify_sampled_chain_row(
   LogitRow<K> rp;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
   rp.has_counts = has_counts != 0;
-  rp.bias = bias + (has_bias ? size_t(row) * V : 0);
-  rp.has_bias = has_bias;
+  // Without kBiased the arm reading `bias` folds away at compile time: the
+  // argument is inactive and the host leaves its slot unbound.
+  rp.bias = kBiased ? bias + size_t(row) * V : nullptr;
+  rp.has_bias = kBiased;
   for (int j = 0; j < T; ++j) {
     const TokT t = tok[j];
     rp.ex[j] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
@@ -304,61 +273,6 @@ inline void verify_sampled_chain_row(
         n,
         out);
   }
-}
-
-template <typename K, typename TokT>
-[[kernel]] void verify_sampled_chain(
-    const device typename K::bits_t* vlogits [[buffer(0)]],
-    const device typename K::bits_t* dlogits [[buffer(1)]],
-    const device TokT* tokens [[buffer(2)]],
-    const device float* uniforms [[buffer(3)]],
-    const device float* params [[buffer(4)]],
-    const device int* counts [[buffer(5)]],
-    device int* bundle [[buffer(6)]],
-    constant int& vocab [[buffer(7)]],
-    constant int& has_counts [[buffer(8)]],
-    constant int& drafts [[buffer(9)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup float fs[32];
-  threadgroup int is[32];
-  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
-  // No bias: `params` stands in for the bias pointer, never read.
-  verify_sampled_chain_row<K, TokT>(
-      vlogits, dlogits, tokens, uniforms, params, counts, bundle, vocab,
-      has_counts, drafts, params, false, row, c);
-}
-
-// verify_sampled_chain with a logit bias: bias [B, V] float32 (dense).
-template <typename K, typename TokT>
-[[kernel]] void verify_sampled_chain_biased(
-    const device typename K::bits_t* vlogits [[buffer(0)]],
-    const device typename K::bits_t* dlogits [[buffer(1)]],
-    const device TokT* tokens [[buffer(2)]],
-    const device float* uniforms [[buffer(3)]],
-    const device float* params [[buffer(4)]],
-    const device int* counts [[buffer(5)]],
-    device int* bundle [[buffer(6)]],
-    constant int& vocab [[buffer(7)]],
-    constant int& has_counts [[buffer(8)]],
-    constant int& drafts [[buffer(9)]],
-    const device float* bias [[buffer(10)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup float fs[32];
-  threadgroup int is[32];
-  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
-  verify_sampled_chain_row<K, TokT>(
-      vlogits, dlogits, tokens, uniforms, params, counts, bundle, vocab,
-      has_counts, drafts, bias, true, row, c);
 }
 
 } // namespace mtplx

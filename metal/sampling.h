@@ -437,79 +437,14 @@ inline float prob_of(LogitRow<K> r, SamplerRow s, DistCut d, int t) {
 
 // ---- Kernels.
 
-// One row of sample_tokens (both kernels below); `bias` is the row's dense
-// bias, read only when has_bias.
-template <typename K, typename TokT>
-inline void sample_tokens_row(
-    const device typename K::bits_t* logits,
-    const device float* uniforms,
-    const device float* params,
-    const device int* counts,
-    const device TokT* extra,
-    device int* out,
-    int vocab,
-    int has_counts,
-    int n_extra,
-    const device float* bias,
-    bool has_bias,
-    uint row,
-    TgCtx c) {
-  const int V = vocab;
-  LogitRow<K> r;
-  r.x = logits + size_t(row) * V;
-  r.counts = counts + (has_counts ? size_t(row) * V : 0);
-  r.has_counts = has_counts != 0;
-  r.bias = bias + (has_bias ? size_t(row) * V : 0);
-  r.has_bias = has_bias;
-  r.n_ex = min(n_extra, kMaxExtraTokens);
-  for (int e = 0; e < r.n_ex; ++e) {
-    TokT t = extra[size_t(row) * n_extra + e];
-    r.ex[e] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
-  }
-  SamplerRow s = sampler_row(params + size_t(row) * kParamCols);
-  DistCut d = build_dist<K>(r, s, V, c);
-  int tok = kInvalid;
-  if (d.valid) {
-    tok = draw_token<K>(r, s, d, r, s, d, false, uniforms[row], V, c);
-  }
-  if (c.tid == 0) {
-    out[row] = tok;
-  }
-}
-
 // logits [B, V] bits; uniforms [B]; params [B, kParamCols]; counts [B, V]
 // (bound when has_counts); extra [B, n_extra] (bound when n_extra > 0);
-// out [B] int. Grid: B threadgroups of a multiple of 32 threads.
-template <typename K, typename TokT>
+// out [B] int; bias: with kBiased the dense [B, V] float32 logit bias (the
+// ops layer scatters the padded (ids, values) into it; without it, unbound).
+// sampling.metal instantiates both: sample_tokens_* and
+// sample_tokens_biased_*. Grid: B threadgroups of a multiple of 32 threads.
+template <typename K, typename TokT, bool kBiased>
 [[kernel]] void sample_tokens(
-    const device typename K::bits_t* logits [[buffer(0)]],
-    const device float* uniforms [[buffer(1)]],
-    const device float* params [[buffer(2)]],
-    const device int* counts [[buffer(3)]],
-    const device TokT* extra [[buffer(4)]],
-    device int* out [[buffer(5)]],
-    constant int& vocab [[buffer(6)]],
-    constant int& has_counts [[buffer(7)]],
-    constant int& n_extra [[buffer(8)]],
-    uint row [[threadgroup_position_in_grid]],
-    uint tid [[thread_position_in_threadgroup]],
-    uint tg_size [[threads_per_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint num_sg [[simdgroups_per_threadgroup]]) {
-  threadgroup float fs[32];
-  threadgroup int is[32];
-  TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
-  // No bias: `params` stands in for the bias pointer, never read.
-  sample_tokens_row<K, TokT>(
-      logits, uniforms, params, counts, extra, out, vocab, has_counts, n_extra,
-      params, false, row, c);
-}
-
-// sample_tokens with a logit bias: bias [B, V] float32 (dense; the ops
-// layer scatters the padded (ids, values) into it).
-template <typename K, typename TokT>
-[[kernel]] void sample_tokens_biased(
     const device typename K::bits_t* logits [[buffer(0)]],
     const device float* uniforms [[buffer(1)]],
     const device float* params [[buffer(2)]],
@@ -529,9 +464,29 @@ template <typename K, typename TokT>
   threadgroup float fs[32];
   threadgroup int is[32];
   TgCtx c{fs, is, tid, tg_size, lane, sg, num_sg};
-  sample_tokens_row<K, TokT>(
-      logits, uniforms, params, counts, extra, out, vocab, has_counts, n_extra,
-      bias, true, row, c);
+  const int V = vocab;
+  LogitRow<K> r;
+  r.x = logits + size_t(row) * V;
+  r.counts = counts + (has_counts ? size_t(row) * V : 0);
+  r.has_counts = has_counts != 0;
+  // Without kBiased the arm reading `bias` folds away at compile time: the
+  // argument is inactive and the host leaves its slot unbound.
+  r.bias = kBiased ? bias + size_t(row) * V : nullptr;
+  r.has_bias = kBiased;
+  r.n_ex = min(n_extra, kMaxExtraTokens);
+  for (int e = 0; e < r.n_ex; ++e) {
+    TokT t = extra[size_t(row) * n_extra + e];
+    r.ex[e] = (t >= 0 && t < TokT(V)) ? int(t) : -1;
+  }
+  SamplerRow s = sampler_row(params + size_t(row) * kParamCols);
+  DistCut d = build_dist<K>(r, s, V, c);
+  int tok = kInvalid;
+  if (d.valid) {
+    tok = draw_token<K>(r, s, d, r, s, d, false, uniforms[row], V, c);
+  }
+  if (tid == 0) {
+    out[row] = tok;
+  }
 }
 
 // verify_logits [B, 2, V] and draft_logits [B, V] bits; tokens [B, 2];
@@ -571,7 +526,7 @@ template <typename K, typename TokT>
   rp.x = vlogits + size_t(row) * 2 * V;
   rp.counts = counts + (has_counts ? size_t(row) * V : 0);
   rp.has_counts = has_counts != 0;
-  rp.bias = params; // no bias: never read
+  rp.bias = nullptr; // no bias: never read
   rp.has_bias = false;
   rp.n_ex = 1;
   rp.ex[0] = x0;

@@ -36,7 +36,7 @@ from mtplx_ext.checkpoints.loading import (
     weight_files,
 )
 from mtplx_ext.checkpoints import assistant
-from mtplx_ext.checkpoints.assistant import convert_assistant, is_assistant_folder
+from mtplx_ext.checkpoints.assistant import convert_assistant
 from mtplx_ext.checkpoints.random import SMALL_CONFIGS, init_random
 from mtplx_ext.checkpoints.saving import (
     add_mtp_modules,
@@ -112,7 +112,6 @@ __all__ = [
     "head_checkpoint_name",
     "head_checkpoint_weights",
     "init_random",
-    "is_assistant_folder",
     "load",
     "load_strict",
     "read_config",

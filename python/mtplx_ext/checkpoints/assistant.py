@@ -185,12 +185,4 @@ def convert_assistant(
     return out
 
 
-def is_assistant_folder(path: str | Path) -> bool:
-    """Whether a folder's config.json is a drafter (assistant) config."""
-    try:
-        return loading.read_config(Path(path)).get("model_type") in ASSISTANT_TYPES
-    except (OSError, ValueError):
-        return False
-
-
 __all__: list[Any] = ["ASSISTANT_TYPES", "attach", "build_assistant", "check_pair", "convert_assistant", "load"]

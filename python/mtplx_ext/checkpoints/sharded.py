@@ -183,11 +183,4 @@ def share_cpus(group: Any) -> int:
     return cpu_threads()
 
 
-def shard_random(runtime: MTPRuntime, group: Any, parallel: str, head: str = "replicate") -> MTPRuntime:
-    """Splits an evaluated runtime (e.g. `init_random`'s, the same seed on every rank) across `group`."""
-    shard_runtime(runtime, group, parallel, head, where=f"random {runtime.model_type}")
-    mx.eval(runtime.parameters())
-    return runtime
-
-
-__all__ = ["HEAD_MODES", "PARALLEL_MODES", "check_parallel", "load", "share_cpus", "shard_random", "shard_runtime"]
+__all__ = ["HEAD_MODES", "PARALLEL_MODES", "check_parallel", "load", "share_cpus", "shard_runtime"]

@@ -32,11 +32,6 @@ FAMILY_DEFAULT_LAYOUT = {
 }
 
 
-def head_layouts() -> tuple[str, ...]:
-    """Names of the supported head layouts."""
-    return tuple(_LAYOUTS)
-
-
 def layout_module(layout: str) -> ModuleType:
     """The module implementing a head layout.
 

@@ -13,17 +13,29 @@ from mtplx_ext._checks import (
     require_logits,
 )
 
-#: Columns of the bundle returned by the verify primitives.
-BUNDLE_COLUMNS = ("x0", "draft", "second", "accept", "bonus")
-COL_X0, COL_DRAFT, COL_SECOND, COL_ACCEPT, COL_BONUS = range(5)
+# The layouts are the kernels' own (metal/mtplx_rules.h, shared by the CPU
+# and Metal kernels), read from the extension so that there is one definition.
+_BUNDLE: dict[str, int] = dict(_ext.BUNDLE_LAYOUT)
+_CHAIN: dict[str, int] = dict(_ext.CHAIN_LAYOUT)
+
+#: Column names of the [B, 5] bundle returned by the verify primitives, in
+#: column order.
+BUNDLE_COLUMNS: tuple[str, ...] = tuple(sorted(_BUNDLE, key=_BUNDLE.__getitem__))
+COL_X0: int = _BUNDLE["x0"]
+COL_DRAFT: int = _BUNDLE["draft"]
+COL_SECOND: int = _BUNDLE["second"]
+COL_ACCEPT: int = _BUNDLE["accept"]
+COL_BONUS: int = _BUNDLE["bonus"]
 #: Columns of the chain bundle ([B, K + 3] int32) of the depth-K verify
 #: primitives: x0, n (accepted drafts, or INVALID), then c_1..c_{K+1}.
-CHAIN_COL_X0, CHAIN_COL_ACCEPTED, CHAIN_COL_FIRST = range(3)
+CHAIN_COL_X0: int = _CHAIN["x0"]
+CHAIN_COL_ACCEPTED: int = _CHAIN["accepted"]
+CHAIN_COL_FIRST: int = _CHAIN["first"]
 #: Most drafts a chain may hold.
 MAX_CHAIN_DRAFTS = MAX_DRAFTS
 #: Value of ``accept`` (and of unusable token columns) for a row that must not
 #: be used: non-finite logits or a token outside the vocabulary.
-INVALID = -1
+INVALID: int = _ext.INVALID
 
 
 def verify_greedy(

@@ -22,10 +22,6 @@ def _false(v: Any) -> bool:
     return v is None or v is False
 
 
-def _empty(v: Any) -> bool:
-    return v is None or v == {} or v == []
-
-
 def _one(v: Any) -> bool:
     return v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1)
 
