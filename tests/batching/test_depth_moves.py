@@ -32,8 +32,12 @@ def shipped():
 def test_greedy_rows_moving_between_plain_and_mtp_batches_commit_plain_decodings_tokens(rng, shipped):
     # Sizes 1 and 3 draft (K = 3, 1), sizes 2 and 4 do not: arrivals and exits move rows both ways.
     eng = Engine(shipped, max_batch=4, depth={1: 3, 2: 0, 3: 1, 4: 0})
-    arrivals = [(int(s), dict(prompt=random_prompt(rng, shipped, 1, 12), max_tokens=int(rng.integers(8, 48))))
-                for s in sorted(rng.integers(0, 60, size=9))]
+    # Four long requests arriving a few steps apart pass through sizes 1, 2, 3 and 4 (K = 3, 0, 1, 0); five more
+    # at random steps and lengths move rows on as they come and go.
+    arrivals = [(4 * i, dict(prompt=random_prompt(rng, shipped, 1, 12), max_tokens=int(rng.integers(40, 48))))
+                for i in range(4)]
+    arrivals += sorted(((int(s), dict(prompt=random_prompt(rng, shipped, 1, 12), max_tokens=int(rng.integers(8, 48))))
+                        for s in rng.integers(16, 60, size=5)), key=lambda a: a[0])
     seen_k = set()
     reqs = []
     pending = list(arrivals)
