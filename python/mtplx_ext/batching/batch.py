@@ -113,7 +113,7 @@ def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kin
 def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> Cycle:
     """A one-row cycle (caches of `cap` slots, the request's own policy) to prefill `r` in."""
     cache = runtime.make_cache([0], ragged=True, capacity=cap)
-    head = runtime.make_head_cache([0], ragged=True, capacity=cap, depth=depth) if mtp else None
+    head = runtime.make_head_cache([0], ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
     s = r.sampler
     policy: Any = GreedyPolicy([s]) if s.greedy and not s.has_penalties else SampledPolicy(s, row_seeds=[r.seed])
     return Cycle(runtime, policy, cache, head, depth, per_stream=mtp, logprobs=r.logprobs is not None)

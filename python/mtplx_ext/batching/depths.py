@@ -91,6 +91,12 @@ class BatchDepths:
         self.recent.append(rows)
         return depth_for(self.depths, max(self.recent))
 
+    def expected(self, rows: int) -> int:
+        """The K a batch of `rows` rows would run now (as `__call__`, without recording the size): what a
+        prefill drafts, so that a row bound for a K = 0 batch skips the head's drafting (it still runs the head
+        over its prompt); a row that then lands in a deeper batch pads its drafts for one cycle."""
+        return depth_for(self.depths, max([rows, *self.recent]))
+
     def observe(self, reached: Sequence[int], accepted: Sequence[int], rows: int, k: int) -> bool:
         """Takes the engine's running draft totals after a cycle of `rows` rows at K = `k`.
 

@@ -276,7 +276,7 @@ class Engine:
 
     def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
-        k = max(1, *self._depths.depths.values()) if self._depths else self.depth  # drafts cut to the batch's K
+        k = self._depths.expected(len(self._live) + len(self._ready) + 1) if self._depths else self.depth
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
         entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)

@@ -132,9 +132,9 @@ class Cycle:
         self.depth = depth
         self.recurrent = rollback.has_recurrent_state(cache)
         self.per_stream = per_stream
-        # Depth 0 (a batch the engine runs without drafts): the head's caches ride along, unused.
-        self.drafter = None if head_cache is None or depth == 0 else make_drafter(runtime, policy, head_cache, depth,
-                                                                                  cache)
+        # Depth 0 (a batch the engine runs without drafts): the head's caches ride along, unused by the
+        # cycles; a depth-0 prefill still runs the head over the prompt (its pairs), so a row drafts well later.
+        self.drafter = None if head_cache is None else make_drafter(runtime, policy, head_cache, max(depth, 1), cache)
         # [B] int32 most drafts row b may accept (<= K), or None (K for all).
         self.row_depth: mx.array | None = None
         # Compiled steps by kind (see `compile_steps`), or None (eager).
@@ -190,6 +190,8 @@ class Cycle:
         nxt = mx.concatenate([padded[:, starts[-1] + 1 :], model_tokens(x0)[:, None]], axis=1)
         start = self.drafter.pairs(hidden, nxt)
         rollback.finish_prefill(self.head_cache)
+        if self.depth == 0:  # no drafts: the head's pairs are kept, its drafting skipped
+            return x0[:, None], None
         return self.drafter.draft(start, x0, 0)
 
     # -- verify --------------------------------------------------------------
