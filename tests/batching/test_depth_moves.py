@@ -60,24 +60,34 @@ def test_greedy_rows_moving_between_plain_and_mtp_batches_commit_plain_decodings
     assert sum(r.stats.accepted for r in reqs) > 0, "no draft was accepted: the MTP batches were not exercised"
 
 
-def _first_two_through_a_move(rt, prompt, cfg, seeds) -> np.ndarray:
-    """Each request is prefilled alone (it drafts K = 2), then decodes in a full batch at K = 0: its drafts
-    are dropped at its first cycle, which commits the token after the prefill's."""
+def _first_two_through_a_move(rt, prompt, cfg, seeds, monkeypatch) -> np.ndarray:
+    """Each request is prefilled alone, drafting the K = 2 of the batch it expects (sizes up to n - 1), then all
+    decode in the full batch at K = 0: their drafts are dropped at their first cycle, which commits the token
+    after the prefill's."""
     n = len(seeds)
-    eng = Engine(rt, max_batch=n, depth={1: 2, n: 0})
+    eng = Engine(rt, max_batch=n, depth={n - 1: 2, n: 0})
+    dropped = []
+    fit = batch_mod.fit_drafts  # (the broken variant's, when the test put one in)
+
+    def counting(nxt, info, depth, vocab):
+        if depth == 0:
+            dropped.append(nxt.shape[1] - 1)
+        return fit(nxt, info, depth, vocab)
+
+    monkeypatch.setattr(batch_mod, "fit_drafts", counting)
     reqs = drive(eng, [(0, dict(prompt=prompt, max_tokens=2, sampler=cfg, seed=s)) for s in seeds])
-    assert eng.depth == 2 and eng.cycle_depth == 0
+    assert eng.cycle_depth == 0 and sum(d == 2 for d in dropped) == n - 1, f"no drafts to drop: {dropped}"
     return np.array([r.tokens for r in reqs])
 
 
 SAMPLED = SamplerConfig(temperature=1.5, top_p=0.95, presence_penalty=0.4)
 
 
-def test_sampled_rows_keep_the_models_distribution_when_their_drafts_are_dropped(rng):
+def test_sampled_rows_keep_the_models_distribution_when_their_drafts_are_dropped(rng, monkeypatch):
     V = 8
     rt = mtplx_ext.init_random("qwen3", seed=int(rng.integers(1 << 30)), vocab_size=V)
     prompt = rng.integers(0, V, size=4).tolist()
-    pairs = _first_two_through_a_move(rt, prompt, SAMPLED, rng.integers(0, 2**62, size=1024).tolist())
+    pairs = _first_two_through_a_move(rt, prompt, SAMPLED, rng.integers(0, 2**62, size=1024).tolist(), monkeypatch)
     joint = expected_joint(rt, prompt, SAMPLED)
     p = g_test_pvalue(np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V), joint.reshape(-1))
     assert p >= ALPHA_EXACT, f"a move into a K = 0 batch changed the distribution: p = {p:.2e}"
@@ -95,7 +105,7 @@ def test_the_same_test_rejects_a_move_that_keeps_a_draft_as_verified(rng, monkey
         return real(nxt, info, depth, vocab)
 
     monkeypatch.setattr(batch_mod, "fit_drafts", keeps_the_first_draft)
-    pairs = _first_two_through_a_move(rt, prompt, SAMPLED, rng.integers(0, 2**62, size=1024).tolist())
+    pairs = _first_two_through_a_move(rt, prompt, SAMPLED, rng.integers(0, 2**62, size=1024).tolist(), monkeypatch)
     joint = expected_joint(rt, prompt, SAMPLED)
     p = g_test_pvalue(np.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V), joint.reshape(-1))
     assert p < ALPHA_BROKEN, f"a broken move was not detected: p = {p:.2e}"
