@@ -40,7 +40,7 @@ def main() -> None:
                     for eager in (True, False):
                         res = mtplx_ext.generate_batched(
                             rt, prompts, max_new_tokens=args.tokens, sampler=sampler, seed=r,
-                            use_mtp_draft=mtp, enforce_eager=eager,
+                            use_mtp_draft=mtp, enforce_eager=eager, depth=1,
                         )
                         assert res.compiled != eager
                         outs[eager] = [s.tokens for s in res.streams]

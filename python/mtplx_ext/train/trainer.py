@@ -245,8 +245,8 @@ def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: 
     from mtplx_ext.engine import generate_greedy_batched
 
     prompts = file_start_prompts(held_tokens, eos, n_prompts, prompt_len)
-    res = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens)
-    single = [generate_greedy_batched(rt, [p], max_new_tokens=new_tokens).acceptance_rate for p in prompts]
+    res = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens, depth=1)
+    single = [generate_greedy_batched(rt, [p], max_new_tokens=new_tokens, depth=1).acceptance_rate for p in prompts]
     out = {
         "prompts": len(prompts),
         "prompt_tokens": prompt_len,
