@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "bench" / "results"
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 SHIPPED = ROOT / "python" / "mtplx_ext" / "assets" / "tiny-qwen3-mtp"
-SHIPPED_REL = "python/mtplx_ext/assets/tiny-qwen3-mtp"
+SHIPPED_REL = "mtplx_ext/assets/tiny-qwen3-mtp"  # a checkout's or an installed package's
 BEGIN = "<!-- scoreboard:begin (bench/scripts/scoreboard.py writes this section from bench/results/*.json; edit the script, not the text) -->"
 END = "<!-- scoreboard:end -->"
 #: Arguments that name where a result goes, not what it measured.
