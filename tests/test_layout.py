@@ -28,7 +28,7 @@ LAYERS: list[set[str]] = [
     {"cache"},
     {"models"},
     {"checkpoints"},
-    {"engine"},
+    {"decode", "engine"},  # engine: the deprecated name of decode
     {"batching"},
     {"serve"},
     {"train"},
@@ -137,16 +137,16 @@ def test_the_checker_sees_an_upward_import_and_a_cycle(tmp_path, monkeypatch):
     """The two checks above can fail: a fake package with both faults."""
     fake = tmp_path / "mtplx_ext"
     (fake / "ops").mkdir(parents=True)
-    (fake / "engine").mkdir()
+    (fake / "decode").mkdir()
     (fake / "__init__.py").write_text("")
     (fake / "ops" / "__init__.py").write_text("")
-    (fake / "engine" / "__init__.py").write_text("")
-    (fake / "ops" / "a.py").write_text("def f():\n    from mtplx_ext.engine import b\n")
-    (fake / "engine" / "b.py").write_text("from mtplx_ext.ops import a\n")
+    (fake / "decode" / "__init__.py").write_text("")
+    (fake / "ops" / "a.py").write_text("def f():\n    from mtplx_ext.decode import b\n")
+    (fake / "decode" / "b.py").write_text("from mtplx_ext.ops import a\n")
     monkeypatch.setattr(__import__(__name__), "PKG", fake)
-    with pytest.raises(AssertionError, match="ops.a .layer 2. imports mtplx_ext.engine.b"):
+    with pytest.raises(AssertionError, match="ops.a .layer 2. imports mtplx_ext.decode.b"):
         test_imports_point_down()
-    with pytest.raises(AssertionError, match="mtplx_ext.engine.b -> mtplx_ext.ops.a -> mtplx_ext.engine.b"):
+    with pytest.raises(AssertionError, match="mtplx_ext.decode.b -> mtplx_ext.ops.a -> mtplx_ext.decode.b"):
         test_no_import_cycle()
 
 

@@ -27,7 +27,7 @@ import statistics
 
 import mlx.core as mx
 
-from mtplx_ext.engine.constraint import GrammarVocab
+from mtplx_ext.decode.constraint import GrammarVocab
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids
 from mtplx_ext.benchmark.provenance import provenance
 

@@ -197,7 +197,7 @@ def bench_probe(tokens: list[bytes], ids: list[int], depth: int = 3) -> list[flo
     import numpy as np
     import xgrammar as xgr
 
-    from mtplx_ext.engine.constraint import GrammarConstraint, RowConstraints
+    from mtplx_ext.decode.constraint import GrammarConstraint, RowConstraints
 
     info = xgr.TokenizerInfo(tokens, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)

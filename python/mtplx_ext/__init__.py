@@ -69,7 +69,7 @@ from mtplx_ext.models.packed_quantized import (  # noqa: E402
 )
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
-from mtplx_ext.engine import (  # noqa: E402
+from mtplx_ext.decode import (  # noqa: E402
     BatchedDecodeResult,
     StreamResult,
     generate_batched,

@@ -39,7 +39,7 @@ def test_padded_drafts_keep_sampled_verification_exact() -> None:
 
     import mtplx_ext
     from mtplx_ext import SamplerConfig
-    from mtplx_ext.engine.bundle import COL_N, COL_TOKENS
+    from mtplx_ext.decode.bundle import COL_N, COL_TOKENS
 
     rng = _seed.rng()
     B, K, V = 40_000, 3, 7

@@ -18,7 +18,7 @@ pytest.importorskip("xgrammar")
 import mtplx_ext  # noqa: E402
 from mtplx_ext import SamplerConfig  # noqa: E402
 from mtplx_ext.batching import Engine  # noqa: E402
-from mtplx_ext.engine.constraint import GrammarVocab  # noqa: E402
+from mtplx_ext.decode.constraint import GrammarVocab  # noqa: E402
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"},

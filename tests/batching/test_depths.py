@@ -17,8 +17,8 @@ from _playout import play, simulated_tokens_per_s
 
 import mtplx_ext
 from mtplx_ext.batching import depths
-from mtplx_ext.engine import autodepth
-from mtplx_ext.engine.autodepth import DepthCosts
+from mtplx_ext.decode import autodepth
+from mtplx_ext.decode.autodepth import DepthCosts
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 

@@ -13,7 +13,7 @@ from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue
 import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
-from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, drop_drafts_beyond
+from mtplx_ext.decode.bundle import COL_N, COL_TOKENS, drop_drafts_beyond
 from mtplx_ext.shipped import SHIPPED_MODEL
 import _seed
 

@@ -12,7 +12,7 @@ from _greedy import check_stream, reference
 
 import mtplx_ext
 from mtplx_ext import SamplerConfig
-from mtplx_ext.engine import policies
+from mtplx_ext.decode import policies
 from mtplx_ext.batching import Engine
 from mtplx_ext.shipped import SHIPPED_MODEL
 import _seed

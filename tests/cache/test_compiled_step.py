@@ -221,7 +221,7 @@ def test_the_kernel_count_sees_a_capacity_baked_into_the_step(monkeypatch):
 def test_compiled_caches_grow_in_steps_and_keep_the_eager_tokens(mtp, monkeypatch):
     # A small growth step forces several reallocations (and re-traces)
     # within one decode; tokens must not notice.
-    import mtplx_ext.engine.cycle as decode
+    import mtplx_ext.decode.cycle as decode
 
     monkeypatch.setattr(decode, "COMPILED_GROW_STEP", int(_seed.rng().integers(3, 7)))
     rng = _seed.rng()
@@ -282,7 +282,7 @@ def test_compiled_decoding_equals_eager_decoding_for_any_batch(
 ):
     # Ragged prompts, caps that fall inside a cycle, stop tokens that end
     # some streams early, caches that must grow mid-decode, greedy or sampled.
-    import mtplx_ext.engine.cycle as decode
+    import mtplx_ext.decode.cycle as decode
 
     monkeypatch.setattr(decode, "COMPILED_GROW_STEP", grow)
     rt = _shared_runtime(model_type)

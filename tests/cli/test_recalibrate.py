@@ -6,8 +6,8 @@ import pytest
 
 import mtplx_ext
 from mtplx_ext import cli
-from mtplx_ext.engine import autodepth
-from mtplx_ext.engine.autodepth import DepthCosts
+from mtplx_ext.decode import autodepth
+from mtplx_ext.decode.autodepth import DepthCosts
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 

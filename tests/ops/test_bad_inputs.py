@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 import mtplx_ext
 from mtplx_ext import SamplerConfig
-from mtplx_ext.engine.policies import SampledPolicy
+from mtplx_ext.decode.policies import SampledPolicy
 from mtplx_ext.ops.sampled_verify import row_uniforms
 from mtplx_ext.sampling import PARAM_COLUMNS, counts_with, row_is_valid, sample_from, transform_row
 from _ragged import fresh_seed

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import mtplx_ext
-from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, accepted_count, committed_tokens
-from mtplx_ext.engine.bundle import COL_X0 as BUNDLE_COL_X0
+from mtplx_ext.decode.bundle import COL_N, COL_TOKENS, accepted_count, committed_tokens
+from mtplx_ext.decode.bundle import COL_X0 as BUNDLE_COL_X0
 from mtplx_ext.ops.greedy_verify import (
     BUNDLE_COLUMNS,
     CHAIN_COL_ACCEPTED,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mtplx_ext
-from mtplx_ext.engine.results import StreamResult
+from mtplx_ext.decode.results import StreamResult
 from mtplx_ext.train.self_data import greedy_stream, prompt_windows
 from _greedy import check_stream, reference
 from _ragged import fresh_seed

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtplx_ext._checks import as_depth, as_int
-from mtplx_ext.engine import session
-from mtplx_ext.engine.autodepth import AUTO
-from mtplx_ext.engine.generate import auto_depth
+from mtplx_ext.decode import session
+from mtplx_ext.decode.autodepth import AUTO
+from mtplx_ext.decode.generate import auto_depth
 from mtplx_ext.sampling import SamplerConfig
 
 #: KV capacities are rounded up to this many slots (fewer distinct traces).

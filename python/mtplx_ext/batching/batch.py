@@ -18,10 +18,10 @@ import mlx.core as mx
 from mtplx_ext.batching.scheduler import BatchShape
 from mtplx_ext.batching.requests import Request
 from mtplx_ext.cache.rows import RowState
-from mtplx_ext.engine.constraint import mask_words
-from mtplx_ext.engine.cycle import Cycle
-from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy
-from mtplx_ext.engine.streams import Streams
+from mtplx_ext.decode.constraint import mask_words
+from mtplx_ext.decode.cycle import Cycle
+from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy
+from mtplx_ext.decode.streams import Streams
 from mtplx_ext.sampling import MAX_LOGIT_BIAS
 
 

@@ -36,8 +36,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext.engine import autodepth
-from mtplx_ext.engine.generate import generate_greedy_batched
+from mtplx_ext.decode import autodepth
+from mtplx_ext.decode.generate import generate_greedy_batched
 
 #: Exit status of a rank whose peers stopped answering.
 WATCHDOG_EXIT = 3

@@ -1,7 +1,7 @@
 """Per-request constraints (grammars) in the continuous-batching engine.
 
 A request submitted with a `Constraint` has its target distribution masked
-at every position (`mtplx_ext.engine.constraint`), with MTP kept on. The
+at every position (`mtplx_ext.decode.constraint`), with MTP kept on. The
 engine's share of the work, kept here:
 
 * the prefill picks x0 under the constraint's initial mask;
@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
+from mtplx_ext.decode.constraint import Constraint, RowConstraints, forced_drafts
 
 def check_constraint(constraint: Any) -> Constraint | None:
     """The `constraint` argument of `Engine.submit`, checked (TypeError naming it)."""
@@ -36,7 +36,7 @@ def check_constraint(constraint: Any) -> Constraint | None:
         return None
     for name in ("advance", "rollback", "fill_mask", "is_terminated"):
         if not callable(getattr(constraint, name, None)):
-            raise TypeError(f"constraint must be a mtplx_ext.engine.constraint.Constraint (it has no {name}())")
+            raise TypeError(f"constraint must be a mtplx_ext.decode.constraint.Constraint (it has no {name}())")
     return constraint
 
 

@@ -28,8 +28,8 @@ import numpy as np
 
 from mtplx_ext._checks import MAX_DRAFTS, as_int
 from mtplx_ext.batching.admission import decode_mode
-from mtplx_ext.engine.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, tokens_per_s
-from mtplx_ext.engine.generate import auto_costs
+from mtplx_ext.decode.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, tokens_per_s
+from mtplx_ext.decode.generate import auto_costs
 
 #: depth="auto" runs the K of the largest of this many recent batch sizes.
 RECENT_BATCHES = 8

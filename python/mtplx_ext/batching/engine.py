@@ -26,10 +26,10 @@ from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.scheduler import BatchShape, Waiting, needs_rebuild, plan_batch, plan_prefill
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.batching.token_logprobs import check_logprobs, cycle_entries, prefill_entry
-from mtplx_ext.engine import session
-from mtplx_ext.engine.cycle import Cycle
-from mtplx_ext.engine.results import BatchedDecodeResult
-from mtplx_ext.engine.streams import Streams
+from mtplx_ext.decode import session
+from mtplx_ext.decode.cycle import Cycle
+from mtplx_ext.decode.results import BatchedDecodeResult
+from mtplx_ext.decode.streams import Streams
 from mtplx_ext.sampling import SamplerConfig
 
 

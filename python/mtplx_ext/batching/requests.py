@@ -17,7 +17,7 @@ from typing import Any
 
 from mtplx_ext.batching.detok import Detokenizer
 from mtplx_ext.batching.scheduler import RowInfo
-from mtplx_ext.engine.stats import DraftStats
+from mtplx_ext.decode.stats import DraftStats
 from mtplx_ext.sampling import SamplerConfig
 
 

@@ -1,7 +1,7 @@
 """The host side of per-token logprobs: which packed rows a request's committed tokens take.
 
 The device computes, per cycle, the logprob of the token at every verified
-position (`mtplx_ext.engine.logprobs`); here a request that asked
+position (`mtplx_ext.decode.logprobs`); here a request that asked
 (`Request.logprobs`, its number of alternatives) gets one entry per token it
 commits: x0 takes the entry the previous cycle (or the prefill) computed for
 its c_{n+1}, the accepted drafts c_1..c_n this cycle's rows 0..n - 1, and
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mtplx_ext.engine.logprobs import TOP_MAX, unpack
+from mtplx_ext.decode.logprobs import TOP_MAX, unpack
 
 Entry = tuple[float, list[tuple[int, float]]]
 

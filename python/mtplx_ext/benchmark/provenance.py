@@ -38,7 +38,7 @@ from typing import Any
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark.harness import md_version
-from mtplx_ext.engine.autodepth import cpu_model
+from mtplx_ext.decode.autodepth import cpu_model
 
 #: Bytes read from each end of a weight file by the fast hash.
 EDGE_BYTES = 1 << 20

@@ -21,7 +21,7 @@ from mtplx_ext.cli.common import (
     seed_flag,
     tokenizer,
 )
-from mtplx_ext.engine import autodepth
+from mtplx_ext.decode import autodepth
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 

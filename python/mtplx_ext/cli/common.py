@@ -16,7 +16,7 @@ from mtplx_ext.benchmark import encode_prompts
 from mtplx_ext.cache.compiled_step import mlx_kernel_cache_dir
 from mtplx_ext.cache.ragged import KV_BITS, KV_GROUP_SIZES
 from mtplx_ext.checkpoints import load
-from mtplx_ext.engine import autodepth
+from mtplx_ext.decode import autodepth
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
 
 

@@ -1,18 +1,23 @@
-"""The decode engine: token policies, the cycle (draft -> verify -> commit), the loop, generation.
+"""The old name of `mtplx_ext.decode`, kept importable: `import mtplx_ext.engine.constraint` and the like still work.
 
-Modules, in the order a decode uses them:
-
-* `policies`: how tokens are picked, drafted and verified (greedy, exact
-  sampled) and the per-stream device state they keep;
-* `cycle`: one cycle's device graph (K chained drafts, one [B, K + 1]
-  verification, per-stream commit or uniform repair) and its compiled steps;
-* `bundle`: the chain bundle, the one array a cycle reads on the host;
-* `streams`: host bookkeeping of what each stream commits;
-* `loop`: serial or pipelined cycles;
-* `generate`: fixed-batch `generate_batched` / `generate_greedy_batched`.
+The package was renamed so that each folder says its job (`decode/`: the
+cycle and fixed-batch generation; `batching/`: the continuous-batching
+`Engine`). Importing it warns (DeprecationWarning); each old submodule name
+is the new module itself, so classes and state are shared.
 """
 
-from mtplx_ext.engine.generate import generate_batched, generate_greedy_batched
-from mtplx_ext.engine.results import BatchedDecodeResult, StreamResult
+from __future__ import annotations
 
-__all__ = ["BatchedDecodeResult", "StreamResult", "generate_batched", "generate_greedy_batched"]
+import importlib
+import pkgutil
+import sys
+import warnings
+
+import mtplx_ext.decode as decode
+from mtplx_ext.decode import *  # noqa: F401,F403
+from mtplx_ext.decode import __all__  # noqa: F401
+
+warnings.warn("mtplx_ext.engine is now mtplx_ext.decode", DeprecationWarning, stacklevel=2)
+
+for info in pkgutil.iter_modules(decode.__path__):
+    sys.modules[f"{__name__}.{info.name}"] = importlib.import_module(f"{decode.__name__}.{info.name}")

@@ -2,7 +2,7 @@
 
 mlx-lm keeps a few things the package needs behind underscore names; when
 mlx-lm renames one, this module is where it breaks, and the pinned mlx-lm
-version's tests (tests/models, tests/engine against mlx-lm) say so.
+version's tests (tests/models, tests/decode against mlx-lm) say so.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OpenAI's logprobs objects from the engine's per-token entries.
 
 The values are the raw log-softmax of the target model's logits at each
-position (`mtplx_ext.engine.logprobs`): the sampler's temperature, top-k /
+position (`mtplx_ext.decode.logprobs`): the sampler's temperature, top-k /
 top-p, penalties and logit bias change which token is drawn, never its
 reported logprob. Request fields: chat `logprobs: true` with `top_logprobs`
 in 0..20; completions `logprobs` in 0..20 (alternatives per token).
@@ -24,7 +24,7 @@ from functools import lru_cache
 from typing import Any
 
 from mtplx_ext.batching.token_logprobs import Entry
-from mtplx_ext.engine.logprobs import TOP_MAX
+from mtplx_ext.decode.logprobs import TOP_MAX
 from mtplx_ext.serve.errors import BadRequest
 
 

@@ -1,7 +1,7 @@
 """Structured outputs: `response_format` (json_object, json_schema) and forced tool calls, as constraints.
 
 `constraint(body, api, tool_list, tool_choice)` turns a request into the
-grammar constraint it decodes under (`mtplx_ext.engine.constraint`; MTP stays
+grammar constraint it decodes under (`mtplx_ext.decode.constraint`; MTP stays
 on), or None:
 
 * `response_format: {"type": "text"}` or absent: no constraint;
@@ -46,7 +46,7 @@ def grammar_vocab(api: Any) -> Any:
             gv = _vocabs.get(api)
             if gv is None:
                 try:
-                    from mtplx_ext.engine.constraint import GrammarVocab
+                    from mtplx_ext.decode.constraint import GrammarVocab
                 except ImportError as e:  # pragma: no cover - the serve extra installs it
                     raise BadRequest(f"structured outputs need xgrammar (pip install 'mtplx-ext[serve]'): {e}",
                                      "response_format") from None
@@ -106,7 +106,7 @@ def tool_call_constraint(tool_list: list[dict] | None, tool_choice: Any, api: An
                                      xgr.Grammar.from_ebnf(f"root ::= {json.dumps(fmt.suffix)}"))
     except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for schemas it cannot compile
         raise BadRequest(f"tools: cannot build the call grammar: {e}", "tools") from None
-    from mtplx_ext.engine.constraint import GrammarConstraint
+    from mtplx_ext.decode.constraint import GrammarConstraint
 
     gv = grammar_vocab(api)
     return GrammarConstraint(gv.compiler.compile_grammar(grammar), encode=gv.encode)

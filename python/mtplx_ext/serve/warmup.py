@@ -21,7 +21,7 @@ import numpy as np
 
 from mtplx_ext.batching import Engine
 from mtplx_ext.batching.prefix_cache import PrefixCache
-from mtplx_ext.engine.results import BatchedDecodeResult
+from mtplx_ext.decode.results import BatchedDecodeResult
 from mtplx_ext.sampling import SamplerConfig
 
 #: Seconds one warm-up round may take before the server gives up on it (a cold cache compiles for a while).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mtplx_ext.engine.stats import DraftStats
+from mtplx_ext.decode.stats import DraftStats
 
 
 @dataclass

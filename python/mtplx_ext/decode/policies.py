@@ -26,8 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext._checks import as_seed, as_seeds
-from mtplx_ext.engine import bundle as chain
-from mtplx_ext.engine.constraint import apply_bitmask
+from mtplx_ext.decode import bundle as chain
+from mtplx_ext.decode.constraint import apply_bitmask
 from mtplx_ext.ops.sampled_verify import sample_tokens, sampler_params, verify_sampled_chain
 from mtplx_ext.sampling import SamplerConfig, pack_logit_bias
 from mtplx_ext.ops.greedy_verify import COL_ACCEPT, COL_SECOND, INVALID, verify_greedy, verify_greedy_chain

@@ -11,16 +11,16 @@ import numpy as np
 
 from mtplx_ext._checks import as_depth, as_int, as_prompts, as_stop_ids, as_seed, as_seeds
 from mtplx_ext.cache.ragged import check_kv_quantization
-from mtplx_ext.engine import autodepth
-from mtplx_ext.engine import cycle as cycle_mod
-from mtplx_ext.engine.compaction import Compactor, compactable
-from mtplx_ext.engine import session
-from mtplx_ext.engine.constraint import Constraint, RowConstraints, forced_drafts
-from mtplx_ext.engine.cycle import Cycle, Pending
-from mtplx_ext.engine.loop import run_cycles
-from mtplx_ext.engine.policies import make_policy
-from mtplx_ext.engine.results import BatchedDecodeResult
-from mtplx_ext.engine.streams import OnCommit, Streams
+from mtplx_ext.decode import autodepth
+from mtplx_ext.decode import cycle as cycle_mod
+from mtplx_ext.decode.compaction import Compactor, compactable
+from mtplx_ext.decode import session
+from mtplx_ext.decode.constraint import Constraint, RowConstraints, forced_drafts
+from mtplx_ext.decode.cycle import Cycle, Pending
+from mtplx_ext.decode.loop import run_cycles
+from mtplx_ext.decode.policies import make_policy
+from mtplx_ext.decode.results import BatchedDecodeResult
+from mtplx_ext.decode.streams import OnCommit, Streams
 
 REJECT_MODES = ("repair", "reforward")
 
@@ -67,7 +67,7 @@ def generate_batched(
             one [B, K + 1] verification forward; or "auto" (the default, as
             the CLI and the server): the K (0 = plain decoding) that decodes
             this batch size fastest on this model and machine
-            (`mtplx_ext.engine.autodepth`: a short calibration the first
+            (`mtplx_ext.decode.autodepth`: a short calibration the first
             time, cached on disk). The result's `depth` says which. A model
             without a head decodes plainly under "auto".
         reject_mode: "repair": per-stream commit (each stream keeps its

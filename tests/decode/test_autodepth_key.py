@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 
 import mtplx_ext
-from mtplx_ext.engine import autodepth
-from mtplx_ext.engine.autodepth import DepthCosts
+from mtplx_ext.decode import autodepth
+from mtplx_ext.decode.autodepth import DepthCosts
 
 
 @pytest.fixture(autouse=True)

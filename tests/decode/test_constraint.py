@@ -21,7 +21,7 @@ jsonschema = pytest.importorskip("jsonschema")
 xgr = pytest.importorskip("xgrammar")
 
 import mtplx_ext  # noqa: E402
-from mtplx_ext.engine.constraint import GrammarVocab, RowConstraints, apply_bitmask, mask_words  # noqa: E402
+from mtplx_ext.decode.constraint import GrammarVocab, RowConstraints, apply_bitmask, mask_words  # noqa: E402
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids  # noqa: E402
 
 

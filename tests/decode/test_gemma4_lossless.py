@@ -115,7 +115,7 @@ def test_depth_2_sampling_gives_the_targets_joint_distribution_of_the_first_thre
 def test_the_sampled_test_rejects_verification_against_another_q_than_the_drafts_were_sampled_from(
     small_pair, rng, monkeypatch
 ):
-    import mtplx_ext.engine.policies as policies
+    import mtplx_ext.decode.policies as policies
 
     real = policies.SampledPolicy.draft
 

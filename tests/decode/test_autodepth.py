@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import mtplx_ext
-from mtplx_ext.engine import autodepth, generate
-from mtplx_ext.engine.autodepth import DepthCosts, choose_depth, expected_tokens
+from mtplx_ext.decode import autodepth, generate
+from mtplx_ext.decode.autodepth import DepthCosts, choose_depth, expected_tokens
 from _greedy import check_stream, reference
 from _playout import play, simulated_tokens_per_s
 

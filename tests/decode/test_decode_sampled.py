@@ -86,7 +86,7 @@ def test_sampling_at_4_bits_on_the_quantized_gemm_gives_the_models_distribution(
 
 
 def test_the_same_test_rejects_a_decode_with_broken_verification(rng, monkeypatch):
-    import mtplx_ext.engine.policies as policies
+    import mtplx_ext.decode.policies as policies
 
     vocab, cfg = SETTINGS["vocab16_hot_top_p_presence"]
     broken_rule = target_one_position_late(policies.verify_sampled_chain)
@@ -163,7 +163,7 @@ def test_streams_with_nearby_row_seeds_never_share_a_uniform():
     # Each (stream, cycle, call) must get its own uniform. Keys derived by
     # xor-ing the cycle and call into a seed's low word would hand stream
     # 0's draw at cycle 1 to stream 4 at cycle 0 when seeds are 0, 1, 2, ...
-    from mtplx_ext.engine.policies import SampledPolicy
+    from mtplx_ext.decode.policies import SampledPolicy
 
     B, steps, calls = 64, 8, 4
     policy = SampledPolicy(SamplerConfig(temperature=1.0), row_seeds=list(range(B)))
@@ -195,7 +195,7 @@ def test_depth_k_sampling_gives_the_models_joint_distribution_of_the_first_k_plu
 
 
 def test_the_depth_test_rejects_a_chain_that_tests_acceptance_against_the_next_target(rng, monkeypatch):
-    import mtplx_ext.engine.policies as policies
+    import mtplx_ext.decode.policies as policies
 
     V, depth = 8, 2
     cfg = SamplerConfig(temperature=2.0, top_p=0.97)

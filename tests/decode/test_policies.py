@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext.engine.policies import GreedyPolicy, SampledPolicy, row_keys
+from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy, row_keys
 from mtplx_ext.sampling import SamplerConfig
 
 

@@ -23,10 +23,10 @@ from _greedy import _prompts, _rng, check_stream, reference
 
 import mtplx_ext
 from mtplx_ext import SamplerConfig
-from mtplx_ext.engine import bundle as chain
-from mtplx_ext.engine import drafter as drafter_mod
-from mtplx_ext.engine.cycle import Cycle
-from mtplx_ext.engine.policies import SampledPolicy
+from mtplx_ext.decode import bundle as chain
+from mtplx_ext.decode import drafter as drafter_mod
+from mtplx_ext.decode.cycle import Cycle
+from mtplx_ext.decode.policies import SampledPolicy
 from mtplx_ext.batching import Engine
 
 #: Trunk families of every head layout (qwen3, qwen3_5: qwen3_next; deepseek_v3, glm4_moe: deepseek; mimo).

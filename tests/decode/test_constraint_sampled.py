@@ -25,7 +25,7 @@ xgr = pytest.importorskip("xgrammar")
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext import SamplerConfig  # noqa: E402
-from mtplx_ext.engine.constraint import GrammarConstraint, apply_bitmask, mask_words  # noqa: E402
+from mtplx_ext.decode.constraint import GrammarConstraint, apply_bitmask, mask_words  # noqa: E402
 from mtplx_ext.sampling import distribution_from_logits  # noqa: E402
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
 
@@ -116,7 +116,7 @@ def rng() -> np.random.Generator:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth, monkeypatch):
-    import mtplx_ext.engine.loop as loop
+    import mtplx_ext.decode.loop as loop
 
     rt, prompt = model_with_useful_head(rng, compiled, depth)
     seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
@@ -136,9 +136,9 @@ def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, co
 
 def test_the_test_rejects_masking_only_the_draft_masking_q_as_well_or_a_forced_draft_with_the_heads_q(
         rng, compiled, monkeypatch):
-    import mtplx_ext.engine.generate as generate
-    import mtplx_ext.engine.loop as loop
-    import mtplx_ext.engine.policies as policies
+    import mtplx_ext.decode.generate as generate
+    import mtplx_ext.decode.loop as loop
+    import mtplx_ext.decode.policies as policies
 
     depth = 2
     rt, prompt = model_with_useful_head(rng, compiled, depth)

@@ -43,9 +43,9 @@ from mlx.utils import tree_flatten
 from mtplx_ext.cache import rollback
 from mtplx_ext.ops import gated_delta
 from mtplx_ext.cache.compiled_step import CompiledStep
-from mtplx_ext.engine import bundle as chain
-from mtplx_ext.engine.drafter import make_drafter, model_tokens
-from mtplx_ext.engine.logprobs import packed_logprobs
+from mtplx_ext.decode import bundle as chain
+from mtplx_ext.decode.drafter import make_drafter, model_tokens
+from mtplx_ext.decode.logprobs import packed_logprobs
 
 #: Prompt tokens forwarded per prefill step (bounds the prefill's memory).
 PREFILL_STEP = 2048

@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, COL_X0
-from mtplx_ext.engine.results import BatchedDecodeResult, StreamResult
-from mtplx_ext.engine.stats import DraftStats
+from mtplx_ext.decode.bundle import COL_N, COL_TOKENS, COL_X0
+from mtplx_ext.decode.results import BatchedDecodeResult, StreamResult
+from mtplx_ext.decode.stats import DraftStats
 
 OnCommit = Callable[[int, list[int]], None]
 

@@ -43,8 +43,8 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.cache.rows import RowState, split_layers
-from mtplx_ext.engine.cycle import Cycle, Pending
-from mtplx_ext.engine.policies import GreedyPolicy
+from mtplx_ext.decode.cycle import Cycle, Pending
+from mtplx_ext.decode.policies import GreedyPolicy
 
 #: Batches of fewer rows are not compacted (and a compaction keeps at least half this many).
 MIN_ROWS = 4

@@ -170,7 +170,7 @@ class RowConstraints:
 
     def commit_bundle(self, b: np.ndarray, live: Sequence[bool]) -> None:
         """Each live row commits x0 and its accepted drafts from a chain bundle (`engine.bundle`)."""
-        from mtplx_ext.engine import bundle as chain
+        from mtplx_ext.decode import bundle as chain
 
         for i in range(b.shape[0]):
             if live[i] and self.rows[i] is not None:

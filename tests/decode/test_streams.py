@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import mtplx_ext
-from mtplx_ext.engine.bundle import COL_N, COL_TOKENS, COL_X0
-from mtplx_ext.engine.stats import DraftStats
-from mtplx_ext.engine.streams import Streams
+from mtplx_ext.decode.bundle import COL_N, COL_TOKENS, COL_X0
+from mtplx_ext.decode.stats import DraftStats
+from mtplx_ext.decode.streams import Streams
 
 
 def _bundle(rows: list[tuple[int, int, list[int]]], K: int) -> np.ndarray:

@@ -59,7 +59,7 @@ def test_every_stream_equals_mlx_lm_greedy_decoding_of_its_prompt_alone(model_ty
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
 def test_prefill_in_chunks_changes_no_token(model_type, monkeypatch):
-    import mtplx_ext.engine.cycle as decode
+    import mtplx_ext.decode.cycle as decode
 
     rng = _rng()
     rt = _runtime(model_type, rng)
@@ -107,7 +107,7 @@ class HeadRecorder:
 def test_head_drafts_equal_the_head_run_on_the_committed_sequence(model_type, reject_mode, chunk, serial, monkeypatch):
     # The head's cache must hold exactly the (hidden at t, token t + 1) pairs
     # of the committed tokens, after accepted and after repaired cycles.
-    import mtplx_ext.engine.cycle as decode
+    import mtplx_ext.decode.cycle as decode
 
     if chunk:
         monkeypatch.setattr(decode, "PREFILL_STEP", chunk)

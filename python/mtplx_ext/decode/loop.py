@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.cache import rollback
-from mtplx_ext.engine.compaction import Compactor
-from mtplx_ext.engine.constraint import RowConstraints, forced_drafts
-from mtplx_ext.engine.cycle import Cycle, Pending
-from mtplx_ext.engine.streams import Streams
+from mtplx_ext.decode.compaction import Compactor
+from mtplx_ext.decode.constraint import RowConstraints, forced_drafts
+from mtplx_ext.decode.cycle import Cycle, Pending
+from mtplx_ext.decode.streams import Streams
 
 #: Weight of the newest cycle in the pipelined loop's estimate of how often
 #: cycles repair (it builds the likelier path ahead).
