@@ -249,6 +249,8 @@ class Engine:
 
     def _prefill(self) -> None:
         """Runs the scheduler's `PrefillPlan` (`scheduler.plan_prefill`): each request alone, in arrival order."""
+        if not self._waiting:  # the common step: nothing to plan (no per-row records built)
+            return
         held = [r.info() for r in self._live if r.finish_reason is None] + [r.info() for r in self._ready]
         waiting = [Waiting(r.info(), len(r.prompt), None if r.prefill is None else len(r.prompt) - r.prefill_pos)
                    for r in self._waiting]
