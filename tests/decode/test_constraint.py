@@ -18,10 +18,13 @@ import pytest
 import _seed
 
 jsonschema = pytest.importorskip("jsonschema")
-xgr = pytest.importorskip("xgrammar")
+llguidance = pytest.importorskip("llguidance")
 
 import mtplx_ext  # noqa: E402
-from mtplx_ext.decode.constraint import GrammarVocab, RowConstraints, apply_bitmask, mask_words  # noqa: E402
+import llguidance.numpy  # noqa: E402
+
+from mtplx_ext.decode.constraint import (  # noqa: E402
+    JSON_LAYOUT, GrammarVocab, RowConstraints, apply_bitmask, mask_words)
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids  # noqa: E402
 
 
@@ -40,20 +43,26 @@ def random_schema(rng: np.random.Generator) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+def matcher(gv: GrammarVocab, schema: dict):
+    """A bare llguidance matcher of `schema` (the layout `GrammarVocab` uses), independent of the adapter."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+    return llguidance.LLMatcher(gv.tokenizer, grammar, log_level=0)
+
+
 def reference_greedy(rt, gv: GrammarVocab, schema: dict, prompt: list[int], n: int, eos: list[int]) -> list[int]:
-    """Masked argmax of full trunk forwards, with its own xgrammar matcher (float64)."""
-    m = xgr.GrammarMatcher(gv.compiler.compile_json_schema(json.dumps(schema), strict_mode=True, any_whitespace=False))
+    """Masked argmax of full trunk forwards, with its own llguidance matcher (float64)."""
+    m = matcher(gv, schema)
     bits = np.zeros((1, mask_words(rt.vocab_size)), np.int32)
     out: list[int] = []
     for _ in range(n):
         logits = np.array(rt.trunk(mx.array([prompt + out]))[0, -1].astype(mx.float32), np.float64)
-        m.fill_next_token_bitmask(bits)
+        llguidance.numpy.fill_next_token_bitmask(m, bits)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: rt.vocab_size].astype(bool)
         t = int(np.argmax(np.where(allowed, logits, -np.inf)))
         out.append(t)
-        assert m.accept_token(t)
         if t in eos:
             break
+        assert m.consume_token(t)
     return out
 
 
@@ -111,13 +120,11 @@ def test_row_constraints_probe_leaves_the_state_unchanged_and_masks_each_prefix(
     before = np.array(guide.current())[0, 0]
     masks = np.array(guide.probe(np.array([ids]), force=False)[0])[0]
     assert np.array_equal(np.array(guide.current())[0, 0], before)  # rolled back
-    m = xgr.GrammarMatcher(gv.compiler.compile_json_schema(json.dumps(schema), strict_mode=True, any_whitespace=False))
+    m = matcher(gv, {**schema, "additionalProperties": False})  # json_schema is strict by default
     want = np.zeros((1, mask_words(rt.vocab_size)), np.int32)
     for j, t in enumerate(ids):
-        assert m.accept_token(t)
-        if m.is_terminated():
-            break
-        m.fill_next_token_bitmask(want)
+        assert m.consume_token(t)
+        llguidance.numpy.fill_next_token_bitmask(m, want)
         assert np.array_equal(masks[j], want[0]), f"position {j}"
 
 

@@ -152,7 +152,7 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
     args = engine_args(api, body, params.submit_args(sampling, "chat", api.eos_ids))
     args["stop"] = stops
     # tool_choice "any" / "tool": the reply is a call, forced by its grammar as on the OpenAI route.
-    args["constraint"] = structured.tool_call_constraint(reply.tool_list, reply.tool_choice, api)
+    args = structured.submit_args(args, structured.tool_call_constraint(reply.tool_list, reply.tool_choice, api))
     return prompt, args, reply
 
 

@@ -109,7 +109,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         body = await api.body(http)
         prompt, args, reply = parse_request(api, body, kind)
         # response_format, forced tool calls
-        args["constraint"] = structured.constraint(body, api, reply.tool_list, reply.tool_choice)
+        args = structured.submit_args(args, structured.constraint(body, api, reply.tool_list, reply.tool_choice))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, disconnect.deliver(loop, events))

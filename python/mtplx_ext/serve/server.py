@@ -22,7 +22,7 @@ from typing import Any
 from mtplx_ext.batching import Engine
 from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
-from mtplx_ext.serve import limits
+from mtplx_ext.serve import limits, structured
 from mtplx_ext.serve.warmup import warm_up
 from mtplx_ext.shipped import eos_ids
 
@@ -141,10 +141,12 @@ def build_api(
 def started(api: API, *, warm: bool = True, log: Callable[[str], None] | None = None) -> Iterator[API]:
     """Starts `api`'s engine, warmed up (`warmup.warm_up`) when `warm`, and stops it when the block ends.
 
-    `log` (default: stderr) says how long the warm-up took. `serve` answers
+    `log` (default: stderr) says whether structured outputs are on
+    (`structured.capability`) and how long the warm-up took. `serve` answers
     HTTP inside this block; so can any other server of `create_app(api)`.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    log(f"mtplx-ext serve: {structured.capability()}")
     api.engine.start()
     try:
         if warm:
