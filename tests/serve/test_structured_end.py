@@ -79,7 +79,7 @@ def ended_at_the_close(live, r) -> dict:
     return json.loads(text[len(FMT.prefix): -len(FMT.suffix)])
 
 
-def broken_call_grammar(self, prefix, schema, suffix, strict=True):
+def broken_call_grammar(self, prefix, schema, suffix, strict=True, lenient=False):
     """The call grammar without its end: any text may follow the closing marker."""
     import llguidance
 
@@ -201,3 +201,33 @@ def test_a_valid_schema_the_grammar_engine_cannot_build_gets_a_400(server, where
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == where and "look-around" in err["message"]
+
+
+#: Valid JSON Schema with a keyword the grammar engine does not implement.
+UNIQUE = {"type": "object", "properties": {"t": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2,
+                                                 "uniqueItems": True}}, "required": ["t"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_an_unimplemented_keyword_is_refused_when_strict_and_ignored_otherwise(server, strict):
+    body = {"messages": [{"role": "user", "content": "x = "}], "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": UNIQUE, "strict": strict}}}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    if strict:  # OpenAI's strict mode refuses what it cannot enforce
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "response_format" and "uniqueItems" in r.json()["error"]["message"]
+        return
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), {**UNIQUE, "properties": {"t": {
+        "type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}}})
+
+
+def test_a_forced_call_of_a_tool_with_an_unimplemented_keyword_is_made(server):
+    body = {"messages": [{"role": "user", "content": "x = "}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "tools": [{"type": "function", "function": {"name": "pick", "parameters": UNIQUE}}], "tool_choice": "required"}
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"][0]["function"]["name"] == "pick"

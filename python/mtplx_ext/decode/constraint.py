@@ -236,8 +236,9 @@ class RowConstraints:
         return mx.array(self._buf), (toks if forced is not None else None), forced
 
 
-#: JSON layout of every JSON grammar: no free whitespace (a model could pad forever), OpenAI's separators.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: JSON layout of every JSON grammar: no free whitespace (a model could pad forever), OpenAI's separators;
+#: `oneOf` read as `anyOf` (what a generator can enforce; the schemas clients send use it for alternatives).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
 
 
 def grammar_engine() -> str | None:
@@ -411,7 +412,10 @@ class GrammarVocab:
     def json_schema(self, schema: dict | str, strict: bool = True) -> GrammarConstraint:
         """A constraint to JSON that validates against `schema` (ValueError for a schema it cannot compile).
 
-        `strict`: objects allow only the properties they list (`strict_schema`).
+        `strict`: objects allow only the properties they list (`strict_schema`)
+        and a keyword the engine does not implement (`uniqueItems`, `not`,
+        ...) is a ValueError naming it; not strict, such keywords are ignored
+        (best effort, as OpenAI's non-strict mode).
         """
         import json
 
@@ -425,7 +429,7 @@ class GrammarVocab:
         if strict:
             schema = strict_schema(schema)
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_LAYOUT, "lenient": not strict})
             return self.grammar(grammar)
         except ValueError as e:
             raise ValueError(f"unusable JSON schema: {e}") from None
@@ -434,13 +438,18 @@ class GrammarVocab:
         """A constraint to any JSON object."""
         return self.json_schema({"type": "object"}, strict=False)
 
-    def wrapped_json(self, prefix: str, schema: dict, suffix: str, strict: bool = True) -> GrammarConstraint:
-        """A constraint to `prefix`, JSON valid against `schema`, then `suffix` (a tool call in its markers)."""
+    def wrapped_json(self, prefix: str, schema: dict, suffix: str, strict: bool = True, lenient: bool = False
+                     ) -> GrammarConstraint:
+        """A constraint to `prefix`, JSON valid against `schema`, then `suffix` (a tool call in its markers).
+
+        `strict` as in `json_schema`; `lenient`: keywords the engine does not
+        implement are ignored rather than refused.
+        """
         import json
 
         import llguidance
 
-        body = {**(strict_schema(schema) if strict else schema), "x-guidance": JSON_LAYOUT}
+        body = {**(strict_schema(schema) if strict else schema), "x-guidance": {**JSON_LAYOUT, "lenient": lenient}}
         lark = (f"start: {json.dumps(prefix, ensure_ascii=False)} call {json.dumps(suffix, ensure_ascii=False)}\n"
                 f"call: %json {json.dumps(body)}")
         try:

@@ -9,12 +9,17 @@ on), or None:
 * `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`:
   JSON valid against `schema` (checked against its metaschema with
   jsonschema first; `strict: true` also forbids properties the schema does
-  not list, as OpenAI's strict mode does);
+  not list, as OpenAI's strict mode does, and refuses keywords the grammar
+  engine does not implement, such as `uniqueItems` or `not`, with a 400
+  naming them; without it they are ignored, best effort as OpenAI's
+  non-strict mode);
 * a `required` or named tool choice (OpenAI's `tool_choice`, Anthropic's
   `any` / `tool`), with the tools `serve.tools.check_tools` checked: the
   family's call wrapper (`ToolFormat.prefix` / `suffix`) around a JSON call
   matching `tools.forced_call_schema`, the same format the reply is parsed
-  with.
+  with (objects allow only the properties they list, so a call always
+  closes; keywords the engine does not implement are ignored, as a tool's
+  schema is the client library's, not the request's author's).
 
 Every client mistake is a `BadRequest` naming the field. The answer ends at
 the tokenizer's end-of-text token (the grammar allows it only once the JSON
@@ -117,7 +122,7 @@ def tool_call_constraint(tool_list: list[dict] | None, tool_choice: Any, api: An
         return None
     fmt = tools.tool_format(getattr(api, "chat_tokenizer", None))
     try:
-        return grammar_vocab(api, "tool_choice").wrapped_json(fmt.prefix, schema, fmt.suffix, strict=True)
+        return grammar_vocab(api, "tool_choice").wrapped_json(fmt.prefix, schema, fmt.suffix, strict=True, lenient=True)
     except ValueError as e:
         raise BadRequest(f"tools: cannot build the call grammar: {e}", "tools") from None
 
