@@ -29,12 +29,14 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("llguidance")
 
-from _serve import LiveServer  # noqa: E402
+from _serve import AppThread, LiveServer  # noqa: E402
 
 from mtplx_ext.decode.constraint import GrammarVocab  # noqa: E402
+from mtplx_ext.serve import API  # noqa: E402
 from mtplx_ext.serve import structured  # noqa: E402
 from mtplx_ext.serve.server import started  # noqa: E402
 from mtplx_ext.serve.tools import tool_format  # noqa: E402
+from mtplx_ext.shipped import eos_ids  # noqa: E402
 
 FMT = tool_format(None)  # the shipped tokenizer names no tool format: the Qwen-style JSON one
 #: Bounded arguments, so that every sampled call closes well within max_tokens.
@@ -71,7 +73,7 @@ def requests(live, monkeypatch):
 
 def ended_at_the_close(live, r) -> dict:
     """The call of a finished request whose answer is exactly one call then the stop token; else AssertionError."""
-    eos = set(live.api.eos_ids)
+    eos = set(eos_ids(live.api.tokenizer))
     assert r.finish_reason == "stop" and len(r.tokens) < MAX_TOKENS, f"ran on: {r.finish_reason}, {len(r.tokens)} tokens"
     assert r.tokens[-1] in eos, "did not end with the stop token"
     text = live.api.tokenizer.decode(r.tokens[:-1])
@@ -151,6 +153,27 @@ def test_the_check_rejects_a_call_grammar_that_does_not_end_at_the_close(live, r
     assert r.status_code == 200, r.text
     with pytest.raises(AssertionError, match="ran on|not one call"):
         ended_at_the_close(live, requests[-1])
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_a_forced_call_ends_even_where_the_server_knows_no_stop_token(live, requests, monkeypatch, merged):
+    # A tokenizer whose end-of-text token has a name the server does not know: the grammar's own stop token
+    # (the tokenizer's EOS) must end the request. Unmerged, the check must see the answer run on.
+    if not merged:
+        monkeypatch.setattr(structured, "submit_args", lambda args, c: {**args, "constraint": c})
+    nameless = API(live.api.engine, "nameless", live.api.tokenizer, live.api.chat_tokenizer, eos_ids=())
+    with AppThread(nameless) as app:
+        monkeypatch.setattr(nameless, "submit", live.api.submit)  # the recording one
+        body = {"messages": [{"role": "user", "content": "weather = "}], "max_tokens": MAX_TOKENS, "temperature": 0,
+                "tools": OPENAI_TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+        r = httpx.post(app.base + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if merged:
+        assert r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
+        ended_at_the_close(live, requests[-1])
+    else:
+        with pytest.raises(AssertionError, match="ran on|not one call"):
+            ended_at_the_close(live, requests[-1])
 
 
 @pytest.mark.parametrize("route,field", [("response_format", "response_format"), ("openai_tool", "tool_choice"),
