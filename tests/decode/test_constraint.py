@@ -137,3 +137,28 @@ def test_constraints_are_checked_before_decoding(shipped):
                                    constraints=[gv.json_object()], depth=1)
     with pytest.raises(ValueError, match="schema"):
         gv.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+
+
+def test_strict_schema_refuses_exactly_the_unlisted_properties_at_every_level():
+    from mtplx_ext.decode.constraint import strict_schema
+
+    rng = _seed.rng()
+    # Property names that are also keywords: a map of subschemas must not be read as a schema.
+    names = ["properties", "type", "items", "a", "enum"]
+    inner = {"type": "object", "properties": {str(n): {"type": "integer"} for n in rng.choice(names, 2, replace=False)}}
+    schema = {"type": "object", "properties": {"properties": inner, "type": {"type": "string"},
+                                               "list": {"type": "array", "items": inner}},
+              "$defs": {"x": inner}, "enum": None}
+    schema.pop("enum")
+    strict = strict_schema(schema)
+    inner_ok = {k: 1 for k in inner["properties"]}
+    ok = {"properties": inner_ok, "type": "t", "list": [inner_ok, {}]}
+    jsonschema.validate(ok, schema)
+    jsonschema.validate(ok, strict)  # what the schema lists stays allowed
+    extra = str(rng.choice(["zz", "additionalProperties", "required"]))
+    for bad in ({**ok, extra: 1}, {**ok, "properties": {**inner_ok, extra: 1}},
+                {**ok, "list": [{**inner_ok, extra: 1}]}):
+        jsonschema.validate(bad, schema)  # the plain schema allows more
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, strict)
+    assert strict_schema({"enum": [{"type": "object"}]}) == {"enum": [{"type": "object"}]}  # data stays data

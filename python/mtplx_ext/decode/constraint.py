@@ -254,6 +254,12 @@ def grammar_engine() -> str | None:
     return str(getattr(llguidance, "__version__", "unknown"))
 
 
+#: Keywords whose value is a map of names to subschemas (the names are not keywords).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: Keywords whose value is data, not a schema.
+_DATA = ("const", "enum", "default", "examples", "required")
+
+
 def strict_schema(schema: Any) -> Any:
     """`schema` with `additionalProperties: false` on every object schema that does not set it.
 
@@ -264,7 +270,12 @@ def strict_schema(schema: Any) -> Any:
         return [strict_schema(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in ("const", "enum", "default", "examples") else strict_schema(v)) for k, v in schema.items()}
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else strict_schema(v)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -296,7 +307,7 @@ class GrammarConstraint:
         if matcher is None:
             matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
             if matcher.is_error():
-                raise ValueError(f"unusable grammar: {matcher.get_error()}")
+                raise ValueError(matcher.get_error())
         self._m = matcher
         self._stops = frozenset(int(t) for t in tokenizer.eos_tokens)
         self._ended = bool(ended)
@@ -392,17 +403,12 @@ class GrammarVocab:
 
     def grammar(self, grammar: str) -> GrammarConstraint:
         """A constraint to an llguidance grammar at its start (ValueError naming what is wrong with it)."""
-        import llguidance
-
         with self._lock:
             first = self._starts.get(grammar)
             if first is not None:
                 self._starts.move_to_end(grammar)
                 return first.fork()
-        err = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if err:
-            raise ValueError(err)
-        first = GrammarConstraint(self.tokenizer, grammar)
+        first = GrammarConstraint(self.tokenizer, grammar)  # ValueError with the engine's message
         with self._lock:
             self._starts[grammar] = first
             while len(self._starts) > self.CACHED:
