@@ -34,8 +34,10 @@ import json
 import re
 import statistics
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
 import numpy as np
@@ -161,7 +163,7 @@ def bench_llguidance(tok: tokenizers.Tokenizer, vocab: int, eos: list[int], repe
     return out
 
 
-def probe(c, ids: list[int], vocab: int, depth: int = 3) -> list[float]:
+def probe(c: Any, ids: list[int], vocab: int, depth: int = 3) -> list[float]:
     """ms per cycle of `RowConstraints.probe` at depth K walking `ids`, two tokens committed per cycle."""
     rows = RowConstraints([c], vocab, depth + 1)
     per, i = [], 0
@@ -205,7 +207,8 @@ def bench_xgrammar(tok: tokenizers.Tokenizer, vocab: int, eos: list[int], repeat
     return out
 
 
-def walk(new_matcher, fill, consume, ids: list[int], repeats: int) -> list[float]:
+def walk(new_matcher: Callable[[], Any], fill: Callable[[Any], None], consume: Callable[[Any, int], bool],
+         ids: list[int], repeats: int) -> list[float]:
     """ms per mask over `repeats` walks of `ids`, each with a fresh matcher."""
     per: list[float] = []
     for _ in range(repeats):
