@@ -78,7 +78,7 @@ class Turn:
 
     def response(self, api: Any, r: Request | None, output: list[dict], status: str,
                  error: dict | None = None) -> dict[str, Any]:
-        """The response object (OpenAI's fields) at `status`, with `output` and, once `r` ended, usage."""
+        """The response object (OpenAI's fields) at `status`, with `output` and, once it is not in progress, usage."""
         b = self.body
         fmt = (b.get("text") or {}).get("format") or {"type": "text"}
         out: dict[str, Any] = {
@@ -92,7 +92,7 @@ class Turn:
             "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None, "metadata": b.get("metadata") or {}, "user": b.get("user"),
         }
-        if r is not None and r.done:
+        if r is not None and status != "in_progress":  # the engine's last event came (`r.done` may lag it)
             out["usage"] = usage(r)
             out["mtp"] = mtp_stats(r, api.engine)
         return out
