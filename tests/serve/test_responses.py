@@ -193,6 +193,33 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(live_server):
     assert check_events(events)["status"] == "incomplete" and events[-1]["type"] == "response.incomplete"
 
 
+def test_logprobs_equal_the_chat_routes_and_stream_with_the_deltas(live_server):
+    base, key = live_server
+    rng = _seed.rng()
+    c = _client(base, key)
+    top = int(rng.integers(0, 6))
+    prompt = "def add(a, b):\n"
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=12,
+                                     temperature=0, logprobs=True, top_logprobs=top)
+    want = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    r = c.responses.create(model=MODEL, input=prompt, max_output_tokens=12, temperature=0,
+                           include=["message.output_text.logprobs"], top_logprobs=top)
+    part = r.output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    got = [lp.model_dump() for lp in part.logprobs]
+    assert [(g["token"], g["bytes"]) for g in got] == [(w["token"], w["bytes"]) for w in want]
+    assert np.allclose([g["logprob"] for g in got], [w["logprob"] for w in want], atol=1e-5)
+    assert [len(g["top_logprobs"]) for g in got] == [top] * len(want)
+    events = _raw_stream(base, {"model": MODEL, "input": prompt, "max_output_tokens": 12, "temperature": 0,
+                                "include": ["message.output_text.logprobs"], "top_logprobs": top}, key)
+    final = check_events(events)
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    assert [x["token"] for x in streamed] == [g["token"] for g in got]
+    assert final["output"][0]["content"][0]["logprobs"] == streamed
+    plain = c.responses.create(model=MODEL, input=prompt, max_output_tokens=4, temperature=0)
+    assert plain.output[0].content[0].logprobs == []
+
+
 class Answer(pydantic.BaseModel):
     ok: bool
     count: int = pydantic.Field(ge=0, le=99)
@@ -383,7 +410,8 @@ def test_a_codex_shaped_request_streams_a_call_and_takes_its_output(app):
     ({"tools": [CLOCK], "tool_choice": {"type": "web_search_preview"}}, "tool_choice"),
     ({"tools": [CLOCK], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),

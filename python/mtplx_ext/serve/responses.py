@@ -27,7 +27,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Event, Request
-from mtplx_ext.serve import disconnect, params, structured, tools
+from mtplx_ext.serve import disconnect, logprobs, params, structured, tools
 from mtplx_ext.serve import responses_input as ri
 from mtplx_ext.serve.errors import BadRequest, error_response
 from mtplx_ext.serve.openai import Reply, engine_args, mtp_stats
@@ -144,11 +144,18 @@ async def create(api: Any, http: HTTPRequest) -> Response:
     if ev.kind == "error":
         return error_response(500, f"the request failed: {ev.error}", kind="server_error")
     out = Output(turn.reply.fmt is not None)
-    out.push(turn.reply.pieces(r.text))
+    out.push(turn.reply.pieces(r.text), _logprobs(api, r, r.tokens, r.token_logprobs))
     _final(turn, r, out)
     resp = turn.response(api, r, out.items, "incomplete" if r.finish_reason == "length" else "completed")
     turn.keep(api, resp)
     return JSONResponse(resp)
+
+
+def _logprobs(api: Any, r: Request, tokens: list[int], entries: list) -> list[dict[str, Any]] | None:
+    """OpenAI's per-token logprobs of `tokens` (the chat route's entries), None when the request did not ask."""
+    if r.logprobs is None or not tokens:
+        return None
+    return logprobs.chat(api.tokenizer, tokens, entries)["content"]
 
 
 def _sse_event(ev: dict[str, Any]) -> str:
@@ -162,8 +169,9 @@ async def _sse(api: Any, turn: Turn, r: Request, events: asyncio.Queue) -> Async
         yield _sse_event(out.event("response.in_progress", response=turn.response(api, r, [], "in_progress")))
         while True:
             ev = await events.get()
-            if ev.kind == "tokens" and ev.text:
-                for e in out.push(turn.reply.pieces(ev.text)):
+            if ev.kind == "tokens":
+                lp = _logprobs(api, r, ev.tokens, ev.logprobs or [])
+                for e in out.push(turn.reply.pieces(ev.text) if ev.text else [], lp):
                     yield _sse_event(e)
             elif ev.kind == "done":
                 for e in _final(turn, r, out):

@@ -10,7 +10,8 @@ naming the Responses field (`input[2].content[0]`, `tools[1].type`,
 its own mistake.
 
 Fields this server cannot honour (`background: true`, hosted tools,
-`include` values, `reasoning` with an effort, ...) are refused by
+`include` values other than the text's logprobs, `reasoning` with an
+effort, ...) are refused by
 `check_unsupported` rather than ignored; fields that ask for nothing here
 (`store`, `metadata`, `user`, `prompt_cache_key`, `safety_identifier`,
 `truncation: "disabled"`) are accepted.
@@ -31,6 +32,8 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 #: Most output tokens when the request sets no `max_output_tokens` (capped by what the context leaves).
 DEFAULT_MAX_OUTPUT_TOKENS = 4096
+#: The `include` value that asks for the output text's logprobs (the one this server supports).
+LOGPROBS = "message.output_text.logprobs"
 #: The sampling fields the chat route reads that a Responses body may carry too (extensions, as vLLM's).
 SAMPLING_FIELDS = (*params.FLOAT_FIELDS, "top_k", "seed", "stop", "logit_bias")
 
@@ -57,7 +60,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prompt_cache_options": (_absent, "prompt_cache_options is not supported"),
     "prompt_cache_retention": (lambda v: v in (None, "in_memory"), 'prompt_cache_retention must be "in_memory"'),
     "reasoning": (_no_reasoning, "reasoning is not supported: this server has no reasoning controls for the model"),
-    "top_logprobs": (lambda v: v in (None, 0), "top_logprobs is not supported on /v1/responses"),
     "truncation": (lambda v: v in (None, "disabled"), 'truncation "auto" is not supported (the prompt must fit)'),
     "service_tier": (lambda v: v in (None, "auto", "default"), 'service_tier must be "auto" or "default"'),
     "n": (lambda v: v in (None, 1), "n must be 1"),
@@ -79,8 +81,9 @@ def check_unsupported(body: dict) -> None:
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
             raise BadRequest("include must be a list of strings", "include")
-        if include:
-            raise BadRequest(f"include {include[0]!r} is not supported", "include")
+        for x in include:
+            if x != LOGPROBS:
+                raise BadRequest(f"include {x!r} is not supported (only {LOGPROBS!r})", "include")
     for name in ("store", "parallel_tool_calls"):
         if body.get(name) is not None and not isinstance(body[name], bool):
             raise BadRequest(f"{name} must be a boolean", name)
@@ -227,15 +230,19 @@ def chat_tools(body: dict) -> tuple[list[dict] | None, Any]:
             nested.append({"type": "function", "function": f})
     tc = body.get("tool_choice")
     if isinstance(tc, dict):
-        if tc.get("type") != "function":
-            raise BadRequest(f"tool_choice of type {tc.get('type')!r} is not supported "
+        if tc.get("type") != "function" or not isinstance(tc.get("name"), str):
+            raise BadRequest(f"tool_choice {tc!r} is not supported "
                              '("auto", "none", "required" or {"type": "function", "name": ...})', "tool_choice")
-        tc = {"type": "function", "function": {"name": tc.get("name")}}
+        tc = {"type": "function", "function": {"name": tc["name"]}}
+    elif tc is not None and not isinstance(tc, str):
+        raise BadRequest('tool_choice must be "auto", "none", "required" or {"type": "function", "name": ...}',
+                         "tool_choice")
     try:
         return tools.check_tools({"tools": nested, "tool_choice": tc})
-    except BadRequest as e:  # the nested shape's names, in the flat shape's terms
+    except BadRequest as e:  # the nested shape's names (tools[i].function.name), in the flat shape's terms
         param = (e.param or "tools").replace(".function", "")
-        raise BadRequest(str(e).replace(".function", "").replace('{"name": ...}}', '"name": ...}'), param) from None
+        msg = str(e) if e.param == "tool_choice" else str(e).replace(".function", "")
+        raise BadRequest(msg, param) from None
 
 
 def response_format(body: dict) -> dict | None:
@@ -261,8 +268,18 @@ def response_format(body: dict) -> dict | None:
 
 
 def sampling(body: dict, kind_max: int | None) -> dict[str, Any]:
-    """The chat route's sampling fields of a Responses body, with `max_output_tokens` as its `max_tokens`."""
+    """The chat route's sampling fields of a Responses body, with `max_output_tokens` as its `max_tokens`.
+
+    `include: ["message.output_text.logprobs"]` with `top_logprobs` (0..20)
+    is the chat route's `logprobs: true` with its `top_logprobs`.
+    """
     out = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    top = body.get("top_logprobs")
+    if LOGPROBS in (body.get("include") or []):
+        out["logprobs"] = True
+        out["top_logprobs"] = top
+    elif top not in (None, 0):
+        raise BadRequest(f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
     m = params.integer(body, "max_output_tokens")
     if m is not None and m < 1:
         raise BadRequest("max_output_tokens must be >= 1", "max_output_tokens")
@@ -270,5 +287,5 @@ def sampling(body: dict, kind_max: int | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHAT_NAMES", "DEFAULT_MAX_OUTPUT_TOKENS", "INPUT_ROLES", "SAMPLING_FIELDS", "TEXT_PARTS", "UNSUPPORTED",
+__all__ = ["CHAT_NAMES", "DEFAULT_MAX_OUTPUT_TOKENS", "INPUT_ROLES", "LOGPROBS", "SAMPLING_FIELDS", "TEXT_PARTS", "UNSUPPORTED",
            "chat_tools", "check_unsupported", "input_messages", "lead_system", "response_format", "sampling"]

@@ -42,6 +42,7 @@ class Output:
         self.seq = 0
         self.msg: dict[str, Any] | None = None  # the message item still open, if any
         self.pending = ""  # whitespace held until text follows it (calls parsed, no message open)
+        self.lp: list[dict[str, Any]] = []  # token logprobs not sent yet: they go with the next text delta
 
     def event(self, kind: str, **data: Any) -> dict[str, Any]:
         """An event of the stream with its sequence number (lifecycle events go through here too)."""
@@ -49,8 +50,16 @@ class Output:
         self.seq += 1
         return ev
 
-    def push(self, pieces: list[tuple[str, Any]]) -> list[dict[str, Any]]:
-        """The events of the next pieces of the reply, in order; `items` grows as they open."""
+    def push(self, pieces: list[tuple[str, Any]], logprobs: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+        """The events of the next pieces of the reply, in order; `items` grows as they open.
+
+        `logprobs` (OpenAI's per-token entries of the tokens that wrote these
+        pieces) go out with the next text delta and into its message's part,
+        as the chat route sends them: the tokens of a tool call count with
+        the text after it (and with none after the last text).
+        """
+        self.lp += logprobs or []
         out: list[dict[str, Any]] = []
         for kind, p in pieces:
             if kind == "text":
@@ -69,6 +78,9 @@ class Output:
         if self.msg is None and not self.items:
             out += self._open_message(self.pending)
         self.pending = ""
+        if self.msg is not None:  # (the tokens of calls after the last text have no text to go with)
+            self.msg["content"][0]["logprobs"] += self.lp
+        self.lp = []
         out += self._close_message("incomplete" if incomplete else "completed")
         return out
 
@@ -93,16 +105,19 @@ class Output:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self.msg["content"].append(part)
         out.append(self.event("response.content_part.added", item_id=self.msg["id"], output_index=index,
-                              content_index=0, part=dict(part)))
+                              content_index=0, part={**part, "logprobs": []}))
         if text:
             out.append(self._delta(text))
         return out
 
     def _delta(self, text: str) -> dict[str, Any]:
         assert self.msg is not None
-        self.msg["content"][0]["text"] += text
+        part = self.msg["content"][0]
+        part["text"] += text
+        lp, self.lp = self.lp, []
+        part["logprobs"] += lp
         return self.event("response.output_text.delta", item_id=self.msg["id"], output_index=len(self.items) - 1,
-                          content_index=0, delta=text, logprobs=[])
+                          content_index=0, delta=text, logprobs=lp)
 
     def _close_message(self, status: str) -> list[dict[str, Any]]:
         if self.msg is None:
@@ -113,9 +128,9 @@ class Output:
         msg["status"] = status
         return [
             self.event("response.output_text.done", item_id=msg["id"], output_index=index, content_index=0,
-                       text=part["text"], logprobs=[]),
+                       text=part["text"], logprobs=list(part["logprobs"])),
             self.event("response.content_part.done", item_id=msg["id"], output_index=index, content_index=0,
-                       part=dict(part)),
+                       part={**part, "logprobs": list(part["logprobs"])}),
             self.event("response.output_item.done", output_index=index, item=_copy(msg)),
         ]
 
@@ -137,7 +152,7 @@ class Output:
 
 
 def _copy(msg: dict[str, Any]) -> dict[str, Any]:
-    return {**msg, "content": [dict(p) for p in msg["content"]]}
+    return {**msg, "content": [{**p, "logprobs": list(p["logprobs"])} for p in msg["content"]]}
 
 
 def output_text(items: list[dict[str, Any]]) -> str:
