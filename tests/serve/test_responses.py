@@ -27,10 +27,11 @@ pydantic = pytest.importorskip("pydantic")
 
 from _serve import AppThread, ScriptedEngine, tool_model_folder  # noqa: E402
 
+from mtplx_ext.batching import Event  # noqa: E402
+
 import mtplx_ext  # noqa: E402
 from mtplx_ext.serve import load_chat_tokenizer  # noqa: E402
 from mtplx_ext.serve.responses_output import Output  # noqa: E402
-from mtplx_ext.serve.responses_store import NotFound, ResponseStore  # noqa: E402
 from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
 MODEL = "tiny-qwen3-mtp"
@@ -259,8 +260,13 @@ def test_json_schema_answers_parse_and_validate(live_server):
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    folder = tool_model_folder(tmp_path_factory.mktemp("tool-model"))
+def folder(tmp_path_factory):
+    """The shipped tokenizer with a Qwen-style tool template (tests/_serve.py)."""
+    return tool_model_folder(tmp_path_factory.mktemp("tool-model"))
+
+
+@pytest.fixture(scope="module")
+def app(folder):
     eng = ScriptedEngine(mtplx_ext.load(SHIPPED_MODEL).tokenizer)
     with AppThread.scripted(eng, folder) as a:
         yield a, eng, load_chat_tokenizer(folder)
@@ -399,6 +405,32 @@ def test_a_codex_shaped_request_streams_a_call_and_takes_its_output(app):
     assert httpx.get(f"{a.base}/v1/responses/{final['id']}").status_code == 404  # not stored
 
 
+class FailingEngine(ScriptedEngine):
+    """Fails every request after its first tokens: an engine error in the middle of a reply."""
+
+    def _run(self, r, ids, cuts):
+        new = ids[:2]
+        r.tokens.extend(new)
+        r.emit(Event("tokens", tokens=new, text=r.detok.push(new, final=False)[0]))
+        r.fail("the device went away")
+
+
+def test_a_request_that_fails_ends_its_stream_with_error_and_response_failed(app, folder):
+    _, eng, _ = app
+    failing = FailingEngine(eng.tokenizer)
+    failing.reply = "def f(x):\n    return x + 1\n"
+    with AppThread.scripted(failing, folder) as b:
+        events = _raw_stream(b.base, {"model": "stub", "input": "hi"})
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+        assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+        assert "the device went away" in events[-2]["message"]
+        assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
+        with pytest.raises(openai.InternalServerError):
+            _client(b.base).responses.create(model="stub", input="hi")
+        assert httpx.get(f"{b.base}/v1/responses/{events[-1]['response']['id']}").status_code == 404
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -455,25 +487,3 @@ def test_fields_that_ask_for_nothing_are_accepted(app):
     r = httpx.post(a.base + "/v1/responses", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["metadata"] == {"k": "v"} and r.json()["output"][0]["content"][0]["text"] == "ok"
-
-
-def test_the_store_evicts_the_least_recently_used_and_bounds_its_bytes():
-    rng = _seed.rng()
-    cap = int(rng.integers(2, 6))
-    s = ResponseStore(max_entries=cap)
-    ids = [f"resp_{i}" for i in range(cap)]
-    for i in ids:
-        assert s.put(i, {"id": i}, [{"role": "user", "content": i}])
-    touched = ids[int(rng.integers(0, cap))]
-    s.get(touched)  # now the most recently used
-    s.put("resp_new", {"id": "resp_new"}, [])
-    evicted = next(i for i in ids if i != touched)
-    with pytest.raises(NotFound):
-        s.get(evicted)
-    assert len(s) == cap and s.get(touched)[1] == [{"role": "user", "content": touched}]
-    small = ResponseStore(max_entries=100, max_bytes=200)
-    big = [{"role": "user", "content": "x" * 80}]
-    assert small.put("a", {}, big) and small.put("b", {}, big)
-    assert small.bytes <= 200 and len(small) == 1 and "b" in small.entries
-    assert not small.put("c", {}, [{"role": "user", "content": "x" * 300}]) and "c" not in small.entries
-    assert small.delete("b") and not small.delete("b") and small.bytes == 0
