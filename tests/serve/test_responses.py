@@ -295,6 +295,9 @@ def test_input_items_reach_the_template_as_the_equivalent_chat_messages(app):
                                 {"role": "assistant", "content": words[3]}, {"role": "user", "content": words[4]}])
     assert eng.tokenizer.decode(eng.prompts[-1]) == want
     assert r.usage.input_tokens == len(eng.prompts[-1])
+    n = len(eng.prompts)
+    count = c.responses.input_tokens.count(model="stub", instructions="Be brief.", input=items)
+    assert count.input_tokens == r.usage.input_tokens and len(eng.prompts) == n  # counted, not decoded
 
 
 def _call_reply(rng: np.random.Generator) -> tuple[str, dict]:

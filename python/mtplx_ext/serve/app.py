@@ -129,6 +129,9 @@ class API:
     async def responses_create(self, req: HTTPRequest) -> Response:
         return await responses.create(self, req)
 
+    async def responses_input_tokens(self, req: HTTPRequest) -> Response:
+        return await responses.input_tokens(self, req)
+
     async def responses_item(self, req: HTTPRequest) -> Response:
         if req.method == "DELETE":
             return await responses.delete(self, req)
@@ -189,7 +192,7 @@ class _Auth:
 
 def create_app(api: API) -> Starlette:
     """The ASGI app: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions, /v1/messages,
-    /v1/responses[/{id}].
+    /v1/responses (and /{id}, /input_tokens).
 
     Every error, an unknown route (404) or method (405) included, is JSON.
     """
@@ -203,6 +206,7 @@ def create_app(api: API) -> Starlette:
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
         Route("/v1/responses", api.responses_create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", api.responses_input_tokens, methods=["POST"]),
         Route("/v1/responses/{response_id}", api.responses_item, methods=["GET", "DELETE"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)],

@@ -1,4 +1,5 @@
-"""The OpenAI Responses API: `POST /v1/responses` (streamed or not), `GET` and `DELETE /v1/responses/{id}`.
+"""The OpenAI Responses API: `POST /v1/responses` (streamed or not), `GET` / `DELETE /v1/responses/{id}`, and
+`POST /v1/responses/input_tokens`.
 
 A Responses body is translated into the chat route's terms
 (`responses_input`: the same chat template, tool parser, grammar and
@@ -43,7 +44,8 @@ class Turn:
     continues from.
     """
 
-    def __init__(self, api: Any, body: dict):
+    def __init__(self, api: Any, body: dict, decode: bool = True):
+        """`decode=False` stops once the prompt is known (`POST /v1/responses/input_tokens`)."""
         ri.check_unsupported(body)
         self.body = body
         self.id = "resp_" + uuid.uuid4().hex
@@ -64,6 +66,8 @@ class Turn:
             self.prompt = params.template_prompt(messages, api.tokenizer, api.chat_tokenizer, self.reply.tool_list)
         except BadRequest as e:
             raise BadRequest(str(e), "input") from None  # the chat route names its messages
+        if not decode:
+            return
         context = getattr(api.engine, "context", None)
         room = ri.DEFAULT_MAX_OUTPUT_TOKENS if context is None else context - len(self.prompt)
         sampling = ri.sampling(body, max(1, min(ri.DEFAULT_MAX_OUTPUT_TOKENS, room)))
@@ -192,6 +196,15 @@ async def _sse(api: Any, turn: Turn, r: Request, events: asyncio.Queue) -> Async
             r.cancel()
 
 
+async def input_tokens(api: Any, http: HTTPRequest) -> Response:
+    """`POST /v1/responses/input_tokens`: the prompt's token count (the template with the tools), nothing decoded."""
+    try:
+        turn = Turn(api, await api.body(http), decode=False)
+    except BadRequest as e:
+        return e.response()
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(turn.prompt)})
+
+
 async def retrieve(api: Any, http: HTTPRequest) -> Response:
     """`GET /v1/responses/{response_id}`: a stored response."""
     try:
@@ -210,4 +223,4 @@ async def delete(api: Any, http: HTTPRequest) -> Response:
     return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
 
-__all__ = ["Turn", "create", "delete", "retrieve", "store_of", "usage"]
+__all__ = ["Turn", "create", "delete", "input_tokens", "retrieve", "store_of", "usage"]
