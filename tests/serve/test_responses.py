@@ -327,6 +327,9 @@ def test_a_function_call_loop_stateless_and_through_previous_response_id(app):
     assert [(it.type, getattr(it, "name", None)) for it in final.output] == [("message", None),
                                                                              ("function_call", "get_weather")]
     assert json.loads(final.output[1].arguments) == args
+    kept = c.responses.retrieve(final.id)  # a streamed response is stored as it completes
+    assert kept.status == "completed" and [it.id for it in kept.output] == [it.id for it in final.output]
+    assert kept.output_text == final.output_text and kept.output[1].arguments == final.output[1].arguments
 
     # The next turn: the client runs the tool and sends its output, with the history or by reference.
     result = f"{int(rng.integers(-20, 40))} C"
