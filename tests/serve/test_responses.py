@@ -286,6 +286,7 @@ def test_input_items_reach_the_template_as_the_equivalent_chat_messages(app):
     items = [{"role": "developer", "content": words[0]},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words[1]},
                                                              {"type": "input_text", "text": words[2]}]},
+             {"type": "reasoning", "id": "rs_1", "summary": []},  # an earlier reply's thinking: dropped
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": words[3]}]},
              {"role": "user", "content": words[4]}]
     r = c.responses.create(model="stub", instructions="Be brief.", input=items)
@@ -407,7 +408,11 @@ def test_a_codex_shaped_request_streams_a_call_and_takes_its_output(app):
                                            "output": "a.py\nb.py"}]
     final = check_events(_raw_stream(a.base, body))
     assert final["output"][0]["content"][0]["text"] == "Done: two files." and final["status"] == "completed"
-    assert "<tool_response>\na.py\nb.py\n</tool_response>" in eng.tokenizer.decode(eng.prompts[-1])
+    turn = msgs + [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "shell", "arguments": {"command": ["ls", "-la"]}}}]},
+        {"role": "tool", "tool_call_id": call["call_id"], "content": "a.py\nb.py"}]
+    got = eng.tokenizer.decode(eng.prompts[-1])
+    assert got == _template(chat_tok, turn, [shell]) and "<tool_response>\na.py\nb.py\n</tool_response>" in got
     assert httpx.get(f"{a.base}/v1/responses/{final['id']}").status_code == 404  # not stored
 
 
