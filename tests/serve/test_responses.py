@@ -317,7 +317,8 @@ def test_a_function_call_loop_stateless_and_through_previous_response_id(app):
     assert [it.type for it in r.output] == ["message", "function_call"]
     call = r.output[1]
     assert r.output[0].content[0].text == "Let me look.\n"
-    assert call.name == "get_weather" and json.loads(call.arguments) == args and call.call_id and call.status == "completed"
+    assert call.name == "get_weather" and json.loads(call.arguments) == args
+    assert call.call_id and call.status == "completed"
     assert eng.tokenizer.decode(eng.prompts[-1]) == _template(chat_tok, first, [WEATHER, CLOCK])
 
     # Streamed: the same items through the client's stream helper, the call's arguments as a delta.
@@ -436,7 +437,8 @@ def test_a_request_that_fails_ends_its_stream_with_error_and_response_failed(app
         assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
         assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
         assert "the device went away" in events[-2]["message"]
-        assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
+        failed = events[-1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
         with pytest.raises(openai.InternalServerError):
             _client(b.base).responses.create(model="stub", input="hi")
         assert httpx.get(f"{b.base}/v1/responses/{events[-1]['response']['id']}").status_code == 404

@@ -287,5 +287,5 @@ def sampling(body: dict, kind_max: int | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["CHAT_NAMES", "DEFAULT_MAX_OUTPUT_TOKENS", "INPUT_ROLES", "LOGPROBS", "SAMPLING_FIELDS", "TEXT_PARTS", "UNSUPPORTED",
-           "chat_tools", "check_unsupported", "input_messages", "lead_system", "response_format", "sampling"]
+__all__ = ["CHAT_NAMES", "DEFAULT_MAX_OUTPUT_TOKENS", "INPUT_ROLES", "LOGPROBS", "SAMPLING_FIELDS", "TEXT_PARTS",
+           "UNSUPPORTED", "chat_tools", "check_unsupported", "input_messages", "lead_system", "response_format", "sampling"]
