@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import string
+import time
 
 import httpx
 import numpy as np
@@ -25,6 +26,7 @@ openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pydantic = pytest.importorskip("pydantic")
 
+from _live_server import metrics  # noqa: E402
 from _serve import AppThread, ScriptedEngine, tool_model_folder  # noqa: E402
 
 from mtplx_ext.batching import Event  # noqa: E402
@@ -219,6 +221,36 @@ def test_logprobs_equal_the_chat_routes_and_stream_with_the_deltas(live_server):
     assert final["output"][0]["content"][0]["logprobs"] == streamed
     plain = c.responses.create(model=MODEL, input=prompt, max_output_tokens=4, temperature=0)
     assert plain.output[0].content[0].logprobs == []
+
+
+def _settled(base: str, key: str, cancelled: int, timeout: float = 5) -> dict:
+    """The metrics once `cancelled` requests were cancelled and no row is left decoding."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(base, key)
+        if m["cancelled"] >= cancelled and m["live_streams"] == 0 and m["kv_slots"] == 0:
+            return m
+        assert time.time() < deadline, f"not cancelled within {timeout} s: {m}"
+        time.sleep(0.005)
+
+
+def test_clients_that_go_away_cancel_their_requests(live_server):
+    base, key = live_server
+    before = metrics(base, key)
+    body = {"model": MODEL, "input": "def main():", "max_output_tokens": 1500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/responses", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        for line in r.iter_lines():
+            if "response.output_text.delta" in line:
+                break  # the stream is flowing: close it mid-reply
+    m = _settled(base, key, before["cancelled"] + 1)
+    assert m["generated_tokens"] - before["generated_tokens"] < 1500 and m["finished"] == before["finished"]
+    # Unstreamed: the official client gives up after its timeout; the request does not decode on.
+    with pytest.raises(openai.APITimeoutError):
+        openai.OpenAI(base_url=base + "/v1", api_key=key, timeout=0.5, max_retries=0).responses.create(
+            model=MODEL, input="import os\n", max_output_tokens=1500, temperature=0)
+    m = _settled(base, key, before["cancelled"] + 2)
+    assert m["finished"] == before["finished"]
 
 
 class Answer(pydantic.BaseModel):
