@@ -267,7 +267,7 @@ def response_format(body: dict) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
-def sampling(body: dict, kind_max: int | None) -> dict[str, Any]:
+def sampling(body: dict, default_max: int | None) -> dict[str, Any]:
     """The chat route's sampling fields of a Responses body, with `max_output_tokens` as its `max_tokens`.
 
     `include: ["message.output_text.logprobs"]` with `top_logprobs` (0..20)
@@ -283,7 +283,7 @@ def sampling(body: dict, kind_max: int | None) -> dict[str, Any]:
     m = params.integer(body, "max_output_tokens")
     if m is not None and m < 1:
         raise BadRequest("max_output_tokens must be >= 1", "max_output_tokens")
-    out["max_tokens"] = m if m is not None else kind_max
+    out["max_tokens"] = m if m is not None else default_max
     return out
 
 
