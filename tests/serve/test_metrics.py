@@ -209,6 +209,36 @@ def test_a_repeated_prompt_is_a_prefix_cache_hit_in_the_ram_tier(server):
     assert val(after, "mtplx_prefix_cache_entries", tier="ram") >= 1
 
 
+def test_a_dropped_stream_counts_as_cancelled_and_every_response_by_route_and_status(server):
+    before, js_before = wait_idle(server), httpx.get(server + "/metrics.json", headers=H, timeout=30).json()
+    body = {"prompt": "def main():", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=body, headers=H, timeout=60) as r:
+        lines = r.iter_lines()
+        assert any(next(lines).startswith("data: ") for _ in range(6))
+    bad = httpx.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": -1}, headers=H, timeout=30)
+    assert bad.status_code == 400
+    assert httpx.get(server + "/v1/models", timeout=30).status_code == 401
+    assert httpx.get(server + "/nope", headers=H, timeout=30).status_code == 404
+    want = {("/v1/completions", "200"): 1, ("/v1/completions", "400"): 1, ("/v1/models", "401"): 1,
+            ("other", "404"): 1}
+    deadline = time.time() + 30
+    while True:  # the dropped stream's handler ends (and its response counts) once the engine cancelled it
+        after = wait_idle(server)
+        moved = {k: val(after, "mtplx_http_responses_total", route=k[0], status=k[1])
+                 - val(before, "mtplx_http_responses_total", route=k[0], status=k[1]) for k in want}
+        if moved == want or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert moved == want
+    d = lambda name, **lb: val(after, name, **lb) - val(before, name, **lb)  # noqa: E731
+    assert [d("mtplx_requests_total", finish_reason=f) for f in ("cancelled", "stop", "length", "error")] == [1, 0, 0, 0]
+    assert d("mtplx_e2e_request_latency_seconds_count") == 1 and d("mtplx_time_to_first_token_seconds_count") == 1
+    js = httpx.get(server + "/metrics.json", headers=H, timeout=30).json()
+    generated = js["generated_tokens"] - js_before["generated_tokens"]
+    assert 0 < d("mtplx_generation_tokens_total") == generated < 3000
+    assert d("mtplx_time_per_output_token_seconds_count") == generated - 1
+
+
 def test_metrics_need_the_key_and_answer_get_only(server):
     for path in ("/metrics", "/metrics.json"):
         assert httpx.get(server + path, timeout=30).status_code == 401

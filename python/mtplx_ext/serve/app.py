@@ -24,7 +24,7 @@ from mtplx_ext.serve import anthropic, openai
 from mtplx_ext.serve import body as bodies
 from mtplx_ext.serve import limits
 from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
-from mtplx_ext.serve.metrics import ServeMetrics
+from mtplx_ext.serve.metrics import ResponseCounter, ServeMetrics
 from mtplx_ext.serve.params import integer
 
 
@@ -204,5 +204,7 @@ def create_app(api: API) -> Starlette:
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)],
+    middleware = [Middleware(ResponseCounter, counter=api.prometheus.responses, routes=routes),
+                  Middleware(_Auth, key=api.api_key)]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_error})

@@ -35,6 +35,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtplx_ext.batching import Event
 
@@ -192,6 +194,8 @@ class ServeMetrics:
         self.e2e = Histogram("mtplx_e2e_request_latency_seconds",
                              "Seconds from queueing a request on the engine to its end.", buckets=E2E_BUCKETS,
                              registry=r)
+        self.responses = Counter("mtplx_http_responses", "HTTP responses, by route (its template; `other` for "
+                                 "no route) and status code.", ["route", "status"], registry=r)
         r.register(EngineCollector(engine))
 
     def render(self, accept: str | None) -> tuple[bytes, str]:
@@ -210,6 +214,42 @@ class ServeMetrics:
         `queued` once the engine took the request.
         """
         return RequestWatch(self, prompt_tokens, on_event)
+
+
+class ResponseCounter:
+    """ASGI middleware counting every HTTP response by route and status (`ServeMetrics.responses`).
+
+    Put it outside the API-key check so refusals (401) count too. The route
+    label is the matched route's template (bounded: one per route, `other`
+    for unknown paths); a response that never started (the app raised) counts as 500.
+    """
+
+    def __init__(self, app: ASGIApp, counter: Counter, routes: list[BaseRoute]):
+        self.app = app
+        self.counter = counter
+        self.routes = routes
+
+    def route_of(self, scope: Scope) -> str:
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:  # PARTIAL: the path matched, the method did not (405)
+                return str(getattr(route, "path", "other"))
+        return "other"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = int(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.counter.labels(route=self.route_of(scope), status=str(status[0])).inc()
 
 
 class RequestWatch:
@@ -246,5 +286,5 @@ class RequestWatch:
             self.on_event(ev)
 
 
-__all__ = ["E2E_BUCKETS", "TTFT_BUCKETS", "TPOT_BUCKETS", "EngineCollector", "RequestWatch", "ServeMetrics",
-           "prefix_metric"]
+__all__ = ["E2E_BUCKETS", "TTFT_BUCKETS", "TPOT_BUCKETS", "EngineCollector", "RequestWatch", "ResponseCounter",
+           "ServeMetrics", "prefix_metric"]
