@@ -1,6 +1,6 @@
 """Prometheus metrics of one API: `/metrics` in the Prometheus text format, with prometheus_client.
 
-Two sources, one registry per `API` (a `CollectorRegistry` of its own, not
+Three sources, one registry per `API` (a `CollectorRegistry` of its own, not
 the process-wide one, so several APIs can live in one process):
 
 - Per request (`ServeMetrics.watch`): requests by finish reason, prompt and
@@ -20,6 +20,8 @@ the process-wide one, so several APIs can live in one process):
   scrape: running and waiting requests, KV slots and bytes, computed
   prefill tokens, cycles, drafts per position, K per batch size, and every
   `prefix_*` number of the prefix cache (tier label from the key).
+- HTTP responses by route and status (`ResponseCounter`), refusals that
+  never reach the engine (400, 401, 413) included.
 
 Ratios (acceptance, hit rates, mean accepted length) are left to the
 dashboard: rate() of the counters gives them over any window.
@@ -55,8 +57,10 @@ COUNTERS = (
     ("prefill_tokens", "mtplx_prefill_tokens",
      "Prompt tokens the engine computed (positions loaded from the prefix cache not included)."),
     ("cycles", "mtplx_decode_cycles", "Decode cycles of the running batch (one verification forward each)."),
-    ("row_forwards", "mtplx_decode_row_forwards", "Rows the decode forwards computed (finished rows not yet dropped included)."),
-    ("recompositions", "mtplx_batch_recompositions", "Times the running batch was rebuilt (rows joined or left, K moved)."),
+    ("row_forwards", "mtplx_decode_row_forwards",
+     "Rows the decode forwards computed (finished rows not yet dropped included)."),
+    ("recompositions", "mtplx_batch_recompositions",
+     "Times the running batch was rebuilt (rows joined or left, K moved)."),
     ("stream_cycles", "mtplx_spec_decode_stream_cycles",
      "(request, cycle) pairs whose drafts were verified; accepted tokens / this = mean accepted length."),
 )
@@ -239,17 +243,18 @@ class ResponseCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = [500]
+        status = 500
 
         async def send_status(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
-                status[0] = int(message["status"])
+                status = int(message["status"])
             await send(message)
 
         try:
             await self.app(scope, receive, send_status)
         finally:
-            self.counter.labels(route=self.route_of(scope), status=str(status[0])).inc()
+            self.counter.labels(route=self.route_of(scope), status=str(status)).inc()
 
 
 class RequestWatch:
