@@ -36,7 +36,8 @@ def depth_per_batch_size(depths: dict[int, int] | None, max_batch: int, depth: i
 def snapshot(engine: Any, *, waiting: int, depths: dict[int, int] | None) -> dict[str, Any]:
     """`Engine.metrics()`: the engine's public counters plus what only it knows (`waiting`, the K per size).
 
-    Keys beyond the counters: `live_streams`, `waiting`, `kv_slots`,
+    Keys beyond the counters: `live_streams` (still decoding), `batch_rows`
+    (rows of the running batch, finished ones not dropped yet), `waiting`, `kv_slots`,
     `kv_bytes` (of the running batch), `max_batch`, `max_kv_slots`, `depth`
     (the deepest K; 0 without MTP), `batch_depth` (the running batch's K),
     `depth_per_batch_size`, `cycles`, `stream_cycles`, the draft counts per
@@ -48,7 +49,7 @@ def snapshot(engine: Any, *, waiting: int, depths: dict[int, int] | None) -> dic
     s = engine.stats
     mtp = bool(engine.mtp)
     return {
-        **engine.counters, "live_streams": engine.live_streams, "waiting": waiting,
+        **engine.counters, "live_streams": engine.live_streams, "batch_rows": engine.batch_rows, "waiting": waiting,
         "kv_slots": engine.kv_slots, "kv_bytes": engine.kv_bytes,
         "max_batch": engine.max_batch, "max_kv_slots": engine.max_kv_slots,
         "depth": engine.depth if mtp else 0, "batch_depth": engine.cycle_depth if mtp else 0,

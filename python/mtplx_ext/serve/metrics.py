@@ -67,6 +67,7 @@ COUNTERS = (
 #: Engine gauges: (key, metric name, help).
 GAUGES = (
     ("live_streams", "mtplx_requests_running", "Requests decoding in the running batch."),
+    ("batch_rows", "mtplx_batch_rows", "Rows of the running batch (finished ones not dropped yet included)."),
     ("waiting", "mtplx_requests_waiting", "Requests queued or prefilling, not in the running batch yet."),
     ("kv_slots", "mtplx_kv_cache_used_slots", "KV slots the running batch holds (rows times its capacity)."),
     ("kv_bytes", "mtplx_kv_cache_used_bytes", "Bytes of the running batch's attention KV buffers."),
