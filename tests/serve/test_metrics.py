@@ -128,7 +128,8 @@ def wait_idle(base: str) -> dict:
     deadline = time.time() + 30
     while True:
         m = scrape(base)
-        if val(m, "mtplx_requests_running") == 0 and val(m, "mtplx_requests_waiting") == 0:
+        names = ("mtplx_requests_running", "mtplx_requests_waiting", "mtplx_batch_rows", "mtplx_kv_cache_used_slots")
+        if all(val(m, name) == 0 for name in names):  # finished rows left the batch too
             return m
         assert time.time() < deadline, "the engine did not go idle"
         time.sleep(0.02)
