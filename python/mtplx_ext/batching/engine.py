@@ -21,6 +21,7 @@ from mtplx_ext.cache.ragged import check_kv_quantization
 from mtplx_ext.batching import admission, constrained, prefill
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.depths import engine_depths
+from mtplx_ext.batching.metrics import snapshot
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.rules import RequestRules
@@ -201,6 +202,12 @@ class Engine:
     def kv_slots(self) -> int:
         """KV slots the running batch holds (rows times capacity)."""
         return 0 if self._batch is None else self._batch.B * self._batch.cap
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the running batch's attention KV buffers (`Batch.kv_bytes`)."""
+        batch = self._batch
+        return 0 if batch is None else batch.kv_bytes
 
     def step(self) -> bool:
         """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
@@ -515,15 +522,8 @@ class Engine:
             self._fail(item, RuntimeError(why))
 
     def metrics(self) -> dict[str, Any]:
-        """Counters and MTP statistics (thread-safe enough to read from handlers)."""
-        s = self.stats
-        return {
-            **self.counters, "live_streams": self.live_streams, "batch_rows": len(self._live), "waiting": len(self._waiting),
-            "kv_slots": self.kv_slots, "max_batch": self.max_batch, "max_kv_slots": self.max_kv_slots,
-            "depth": self.depth if self.mtp else 0, "cycles": s.cycles, "acceptance": s.acceptance_rate,
-            "acceptance_per_depth": s.acceptance_per_depth, "mean_accepted_length": s.mean_accepted_length,
-            **self.prefix.metrics(),
-        }
+        """Counters and MTP statistics (`batching.metrics.snapshot`; safe to read from handler threads)."""
+        return snapshot(self, waiting=len(self._waiting), depths=None if self._depths is None else self._depths.depths)
 
 
 __all__ = ["Engine"]
