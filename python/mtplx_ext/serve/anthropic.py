@@ -148,7 +148,8 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
         raise BadRequest("max_tokens is required", "max_tokens")
     max_tokens = params.integer(body, "max_tokens")
     thinking = reasoning.anthropic_options(body, max_tokens)
-    reasoning.check_model(api.reasoning, thinking)
+    markers = getattr(api, "reasoning", None)  # an API stand-in may have none
+    reasoning.check_model(markers, thinking)
     tool_list, choice = _tools(body)
     reply = Reply("chat")
     if choice != "none":
@@ -156,7 +157,7 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
         reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
                           parallel=not tc.get("disable_parallel_tool_use", False), choice=choice)
     text = params.template_text(_messages(body), api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
-    reply.reason(api.reasoning, thinking, text)
+    reply.reason(markers, thinking, text)
     prompt = api.tokenizer.encode(text).ids
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

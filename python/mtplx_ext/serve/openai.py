@@ -125,10 +125,11 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
         if choice != "none":  # "none": the model neither sees the tools nor calls them
             reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel, choice)
         thinking = reasoning.openai_options(body)
-        reasoning.check_model(api.reasoning, thinking)
+        markers = getattr(api, "reasoning", None)  # an API stand-in may have none
+        reasoning.check_model(markers, thinking)
         text = params.template_text(params.chat_messages(body), api.chat_tokenizer, reply.tool_list,
                                     thinking.template_kwargs)
-        reply.reason(api.reasoning, thinking, text)
+        reply.reason(markers, thinking, text)
         prompt = api.tokenizer.encode(text).ids
     else:
         prompt = params.completion_prompt(body, api.tokenizer)
