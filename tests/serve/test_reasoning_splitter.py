@@ -302,6 +302,6 @@ def test_a_real_grammar_takes_over_after_the_forced_end():
     reasoning = tok.encode("x < y, so").ids[:4]
     assert g.advance(reasoning) == len(reasoning) and g.phase == "closing"
     assert g.advance(g.forced_tokens()) == len(tok.encode("</think>").ids) and g.phase == "answer"
-    assert g.advance(tok.encode('{"b": 1').ids) < len(tok.encode('{"b": 1').ids)  # not the schema's key
+    assert g.fork().advance(tok.encode('{"b": 1').ids) < len(tok.encode('{"b": 1').ids)  # not the schema's key
     answer = tok.encode('{"a": 12}').ids
     assert g.advance(answer) == len(answer) and g.advance([0]) == 1 and g.is_terminated()
