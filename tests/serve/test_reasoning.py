@@ -260,3 +260,21 @@ def test_the_schema_applies_after_the_reasoning(live):
     assert [b.type for b in msg.content][0] == "thinking" and msg.stop_reason == "tool_use"
     use = next(b for b in msg.content if b.type == "tool_use")
     jsonschema.validate(use.input, tool["input_schema"])
+
+
+def test_markers_none_and_a_model_without_markers_leave_the_reply_as_it_is(scripted, folder, capsys):
+    a, eng = scripted
+    eng.reply = "<think>x</think> y"
+    api = API(eng, "plain", eng.tokenizer, load_chat_tokenizer(folder), None, (), reasoning_markers="none")
+    assert api.reasoning is None
+    with AppThread(api) as plain:
+        msg = _oa(plain.base).chat.completions.create(model="plain", messages=USER, max_tokens=50).choices[0].message
+        assert msg.content == eng.reply and getattr(msg, "reasoning_content", None) is None
+        assert "reasoning_content" not in (msg.model_extra or {})
+        r = httpx.post(plain.base + "/v1/messages", timeout=30, json={
+            "messages": USER, "max_tokens": 50, "thinking": {"type": "enabled", "budget_tokens": 10}})
+        assert r.status_code == 400 and "does not reason" in r.json()["error"]["message"]
+    from mtplx_ext import cli
+
+    assert cli.main(["serve", "--reasoning-markers", "<r>", "--port", "0"]) == 2
+    assert "--reasoning-markers must be auto, none or START,END" in capsys.readouterr().err
