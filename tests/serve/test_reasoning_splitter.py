@@ -175,6 +175,8 @@ def test_request_fields_map_to_template_kwargs_and_budgets():
     th = openai_options({"enable_thinking": True, "thinking_token_budget": 7, "chat_template_kwargs": {"x": [1]}})
     assert th.template_kwargs == {"enable_thinking": True, "x": [1]} and th.budget == 7
     assert openai_options({"chat_template_kwargs": {"enable_thinking": False}}).budget == 0
+    assert openai_options({"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": False}}).budget == 0
+    assert openai_options({"reasoning_effort": "none", "enable_thinking": True}).budget is None
     th = anthropic_options({"thinking": {"type": "enabled", "budget_tokens": 10}}, 64)
     assert th.template_kwargs == {"enable_thinking": True} and th.budget == 10
     assert anthropic_options({"thinking": {"type": "disabled"}}, 64).template_kwargs == {"enable_thinking": False}

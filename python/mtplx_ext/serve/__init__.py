@@ -2,7 +2,8 @@
 
 `app` holds the routes and auth, `openai` the OpenAI handlers, `anthropic`
 the Messages API, `tools` tool calling (checks, template messages, parsing
-the reply), `params` and `fields` the request-field checks, `body` the
+the reply), `reasoning` reasoning models (markers, the reasoning/answer
+split, template fields and budgets), `params` and `fields` the request-field checks, `body` the
 body's size limit and the JSON values nothing downstream can use, `errors`
 the 400s, `disconnect` the hand-over of engine events and the watch for
 clients that went away; `server` builds the API over a new engine

@@ -257,14 +257,15 @@ def openai_options(body: dict) -> Thinking:
         if not isinstance(on, bool):
             raise BadRequest("enable_thinking must be a boolean", "enable_thinking")
         th.template_kwargs["enable_thinking"] = on
-        if not on:
-            th.budget = 0
     if body.get("thinking_token_budget") is not None:
         th.budget = _positive(body["thinking_token_budget"], "thinking_token_budget")
         th.asked, th.field = True, "thinking_token_budget"
     th.template_kwargs.update(_template_kwargs(body))
-    if th.template_kwargs.get("enable_thinking") is False:
-        th.budget = 0
+    on = th.template_kwargs.get("enable_thinking")
+    if on is False:
+        th.budget = 0  # thinking off wins over any budget
+    elif on is True and th.budget == 0:
+        th.budget = None  # an explicit enable_thinking over reasoning_effort "none"
     return th
 
 
