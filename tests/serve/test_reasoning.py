@@ -278,3 +278,27 @@ def test_markers_none_and_a_model_without_markers_leave_the_reply_as_it_is(scrip
 
     assert cli.main(["serve", "--reasoning-markers", "<r>", "--port", "0"]) == 2
     assert "--reasoning-markers must be auto, none or START,END" in capsys.readouterr().err
+
+
+def test_a_call_written_in_the_reasoning_is_reasoning_and_the_answer_s_call_is_a_call(scripted):
+    a, eng = scripted
+    eng.reply = ('<think>maybe <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>?</think>\n'
+                 '<tool_call>\n{"name": "now", "arguments": {"tz": "UTC"}}\n</tool_call>')
+    tool = {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}
+    for stream in (False, True):
+        kw = {"model": "stub", "messages": USER, "max_tokens": 200, "tools": [tool],
+              "extra_body": {"chat_template_kwargs": {"free": True}}}
+        if not stream:
+            ch = _oa(a.base).chat.completions.create(**kw).choices[0]
+            thought, calls, reason = ch.message.reasoning_content, ch.message.tool_calls, ch.finish_reason
+        else:
+            parts, calls, reason = [], [], None
+            for chunk in _oa(a.base).chat.completions.create(stream=True, **kw):
+                for ch in chunk.choices:
+                    parts.append(getattr(ch.delta, "reasoning_content", None) or "")
+                    calls += ch.delta.tool_calls or []
+                    reason = ch.finish_reason or reason
+            thought = "".join(parts)
+        assert thought == 'maybe <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>?'
+        assert reason == "tool_calls" and len([c for c in calls if c.function.name]) == 1
+        assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"tz": "UTC"}
