@@ -5,8 +5,9 @@ messages and tools through the same chat template, the same engine
 arguments), and the reply into Anthropic's content blocks: `thinking` (the
 model's reasoning, `serve.reasoning`; `thinking` requests reach the template
 and the budget), `text` and `tool_use` (cut from the text by the same
-`tools.ToolStream` as the chat route); `tool_choice` `any` or `tool` forces a call through the chat route's
-call grammar (`structured.tool_call_constraint`). Streams send Anthropic's
+`tools.ToolStream` as the chat route); `tool_choice` `any` or `tool` forces
+a call through the chat route's call grammar
+(`structured.tool_call_constraint`). Streams send Anthropic's
 events: `message_start`, `ping`, `content_block_start` / `_delta` / `_stop`,
 `message_delta`, `message_stop`
 (an `error` event if the request fails). Client mistakes get Anthropic's
