@@ -1,6 +1,8 @@
 """OpenAI- and Anthropic-compatible serving: the HTTP app and the server around it.
 
-`app` holds the routes and auth, `openai` the OpenAI handlers, `anthropic`
+`app` holds the routes and auth, `openai` the OpenAI handlers, `responses`
+the Responses API (`responses_input`, `responses_output`, `responses_store`:
+its request, its output items and events, its stored responses), `anthropic`
 the Messages API, `tools` tool calling (checks, template messages, parsing
 the reply), `reasoning` reasoning models (markers, the reasoning/answer
 split, template fields and budgets), `params` and `fields` the request-field checks, `body` the

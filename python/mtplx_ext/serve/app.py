@@ -20,11 +20,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mtplx_ext.batching import Engine, Request
-from mtplx_ext.serve import anthropic, openai
+from mtplx_ext.serve import anthropic, openai, responses
 from mtplx_ext.serve import body as bodies
 from mtplx_ext.serve import limits, reasoning
 from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
 from mtplx_ext.serve.params import integer
+from mtplx_ext.serve.responses_store import ResponseStore
 
 
 class API:
@@ -65,6 +66,8 @@ class API:
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
         self.reasoning = reasoning.detect(chat_tokenizer, tokenizer, reasoning_markers)
+        #: Stored responses of /v1/responses (`store`, `previous_response_id`), bounded.
+        self.responses = ResponseStore()
 
     # -- request parsing ----------------------------------------------------------
 
@@ -128,6 +131,17 @@ class API:
     async def count_tokens(self, req: HTTPRequest) -> Response:
         return await anthropic.count_tokens(self, req)
 
+    async def responses_create(self, req: HTTPRequest) -> Response:
+        return await responses.create(self, req)
+
+    async def responses_input_tokens(self, req: HTTPRequest) -> Response:
+        return await responses.input_tokens(self, req)
+
+    async def responses_item(self, req: HTTPRequest) -> Response:
+        if req.method == "DELETE":
+            return await responses.delete(self, req)
+        return await responses.retrieve(self, req)
+
 
 def _anthropic_path(path: str) -> bool:
     """Routes whose clients read Anthropic's error JSON."""
@@ -182,7 +196,8 @@ class _Auth:
 
 
 def create_app(api: API) -> Starlette:
-    """The ASGI app: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions, /v1/messages.
+    """The ASGI app: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions, /v1/messages,
+    /v1/responses (and /{id}, /input_tokens).
 
     Every error, an unknown route (404) or method (405) included, is JSON.
     """
@@ -195,6 +210,9 @@ def create_app(api: API) -> Starlette:
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+        Route("/v1/responses", api.responses_create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", api.responses_input_tokens, methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.responses_item, methods=["GET", "DELETE"]),
     ]
     return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)],
                      exception_handlers={HTTPException: _http_error})
