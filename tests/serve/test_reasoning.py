@@ -302,3 +302,12 @@ def test_a_call_written_in_the_reasoning_is_reasoning_and_the_answer_s_call_is_a
         assert thought == 'maybe <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>?'
         assert reason == "tool_calls" and len([c for c in calls if c.function.name]) == 1
         assert json.loads("".join(c.function.arguments or "" for c in calls)) == {"tz": "UTC"}
+
+
+def test_a_marker_in_the_user_s_message_opens_no_reasoning(scripted):
+    a, eng = scripted
+    eng.reply = "It opens a block."
+    msg = _oa(a.base).chat.completions.create(model="stub", max_tokens=50, messages=[
+        {"role": "user", "content": "What does <think> do?"}], extra_body={"chat_template_kwargs": {"free": True}}
+    ).choices[0].message
+    assert (msg.content, msg.reasoning_content) == ("It opens a block.", None)

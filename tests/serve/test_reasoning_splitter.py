@@ -132,6 +132,12 @@ def test_the_prompt_opens_the_reasoning_when_its_last_start_marker_is_unclosed()
     assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", THINK)
     assert not opens_reasoning("<think>old</think> user: hi\nassistant:", THINK)
     assert not opens_reasoning("<think>\n", None)
+    # A marker in the user's own text is not the template's: only the prompt after the last message counts.
+    user = "what does <think> do?"
+    prompt = f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    assert opens_reasoning(prompt, THINK) and not opens_reasoning(prompt, THINK, user)
+    assert opens_reasoning(prompt + "<think>\n", THINK, user)
+    assert opens_reasoning(prompt + "<think>\n", THINK, "a text the template rewrote")
 
 
 # -- detection ----------------------------------------------------------------------

@@ -157,8 +157,9 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
         tc = body.get("tool_choice") or {}
         reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
                           parallel=not tc.get("disable_parallel_tool_use", False), choice=choice)
-    text = params.template_text(_messages(body), api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
-    reply.reason(markers, thinking, text)
+    messages = _messages(body)
+    text = params.template_text(messages, api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
+    reply.reason(markers, thinking, text, messages)
     prompt = api.tokenizer.encode(text).ids
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

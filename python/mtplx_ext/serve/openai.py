@@ -54,10 +54,16 @@ class Reply:
         self.thinking = reasoning.Thinking()
         self.in_reasoning = False
 
-    def reason(self, markers: reasoning.Markers | None, thinking: reasoning.Thinking, prompt_text: str) -> None:
-        """Split the model's reasoning off the reply (`markers` None: nothing to split)."""
+    def reason(self, markers: reasoning.Markers | None, thinking: reasoning.Thinking, prompt_text: str,
+               messages: list[dict]) -> None:
+        """Split the model's reasoning off the reply (`markers` None: nothing to split).
+
+        `prompt_text` is `messages` through the template: whether its
+        generation prompt opened the reasoning (`reasoning.opens_reasoning`).
+        """
         self.markers, self.thinking = markers, thinking
-        self.in_reasoning = reasoning.opens_reasoning(prompt_text, markers)
+        last = messages[-1].get("content") if messages else None
+        self.in_reasoning = reasoning.opens_reasoning(prompt_text, markers, last if isinstance(last, str) else "")
         self._think = reasoning.ReasoningSplitter(markers, self.in_reasoning) if markers is not None else None
 
     @property
@@ -127,9 +133,9 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
         thinking = reasoning.openai_options(body)
         markers = getattr(api, "reasoning", None)  # an API stand-in may have none
         reasoning.check_model(markers, thinking)
-        text = params.template_text(params.chat_messages(body), api.chat_tokenizer, reply.tool_list,
-                                    thinking.template_kwargs)
-        reply.reason(markers, thinking, text)
+        messages = params.chat_messages(body)
+        text = params.template_text(messages, api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
+        reply.reason(markers, thinking, text, messages)
         prompt = api.tokenizer.encode(text).ids
     else:
         prompt = params.completion_prompt(body, api.tokenizer)

@@ -105,10 +105,20 @@ def detect(chat_tokenizer: Any, tokenizer: Any = None, setting: Any = "auto") ->
     return None
 
 
-def opens_reasoning(prompt_text: str, markers: Markers | None) -> bool:
-    """Whether the prompt leaves a reasoning block open (the reply then starts inside it)."""
+def opens_reasoning(prompt_text: str, markers: Markers | None, last: str = "") -> bool:
+    """Whether the prompt leaves a reasoning block open (the reply then starts inside it).
+
+    `last` is the last message's text: only the prompt after it (the
+    template's generation prompt) is read, so a marker a user wrote is not
+    taken for the template's. Without it (or when the template changed it
+    beyond recognition) the whole prompt is read.
+    """
     if markers is None:
         return False
+    last = last.strip()
+    at = prompt_text.rfind(last) if last else -1
+    if at >= 0:
+        prompt_text = prompt_text[at + len(last):]
     s = prompt_text.rfind(markers.start)
     return s >= 0 and s > prompt_text.rfind(markers.end)
 
