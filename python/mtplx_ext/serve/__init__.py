@@ -4,7 +4,8 @@
 the Responses API (`responses_input`, `responses_output`, `responses_store`:
 its request, its output items and events, its stored responses), `anthropic`
 the Messages API, `tools` tool calling (checks, template messages, parsing
-the reply), `params` and `fields` the request-field checks, `body` the
+the reply), `reasoning` reasoning models (markers, the reasoning/answer
+split, template fields and budgets), `params` and `fields` the request-field checks, `body` the
 body's size limit and the JSON values nothing downstream can use, `errors`
 the 400s, `disconnect` the hand-over of engine events and the watch for
 clients that went away, `metrics` the Prometheus registry of `/metrics`;

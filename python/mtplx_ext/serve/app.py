@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mtplx_ext.batching import Engine, Request
 from mtplx_ext.serve import anthropic, openai, responses
 from mtplx_ext.serve import body as bodies
-from mtplx_ext.serve import limits
+from mtplx_ext.serve import limits, reasoning
 from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
 from mtplx_ext.serve.metrics import ResponseCounter, ServeMetrics
 from mtplx_ext.serve.params import integer
@@ -42,6 +42,9 @@ class API:
             (the scheme's case does not matter).
         eos_ids: token ids that end every request (the tokenizer's end of text).
         max_body_bytes: larger request bodies get a 413.
+        reasoning_markers: "auto" (found from the tokenizer and the chat
+            template), "none" (the model does not reason) or "START,END"
+            (`serve.reasoning.detect`); the result is `reasoning`.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class API:
         api_key: str | None = None,
         eos_ids: tuple[int, ...] = (),
         max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
+        reasoning_markers: Any = "auto",
     ):
         self.engine = engine
         self.model_name = model_name
@@ -62,6 +66,7 @@ class API:
         self.eos_ids = tuple(eos_ids)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.reasoning = reasoning.detect(chat_tokenizer, tokenizer, reasoning_markers)
         #: Stored responses of /v1/responses (`store`, `previous_response_id`), bounded.
         self.responses = ResponseStore()
         self.prometheus = ServeMetrics(engine)  # its own registry (`serve.metrics`)
