@@ -160,7 +160,7 @@ def test_a_forced_call_ends_even_where_the_server_knows_no_stop_token(live, requ
     # A tokenizer whose end-of-text token has a name the server does not know: the grammar's own stop token
     # (the tokenizer's EOS) must end the request. Unmerged, the check must see the answer run on.
     if not merged:
-        monkeypatch.setattr(structured, "submit_args", lambda args, c: {**args, "constraint": c})
+        monkeypatch.setattr(structured, "submit_args", lambda args, c, grammar=None: {**args, "constraint": c})
     nameless = API(live.api.engine, "nameless", live.api.tokenizer, live.api.chat_tokenizer, eos_ids=())
     with AppThread(nameless) as app:
         monkeypatch.setattr(nameless, "submit", live.api.submit)  # the recording one

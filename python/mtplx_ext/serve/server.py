@@ -119,6 +119,7 @@ def build_api(
     max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
     group: Any = None,
     watchdog: Any = None,
+    reasoning_markers: Any = "auto",
 ) -> API:
     """The `API` that `serve` serves: a new engine over `runtime` (not started yet) and `folder`'s chat template.
 
@@ -134,7 +135,8 @@ def build_api(
     else:
         engine = Engine(runtime, **kwargs)
     return API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
-               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
+               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes,
+               reasoning_markers=reasoning_markers)
 
 
 @contextlib.contextmanager
@@ -179,6 +181,7 @@ def serve(
     log: Callable[[str], None] | None = None,
     group: Any = None,
     watchdog: Any = None,
+    reasoning_markers: Any = "auto",
 ) -> None:
     """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call.
 
@@ -204,7 +207,7 @@ def serve(
     api = build_api(runtime, folder, max_batch=max_batch, depth=depth, use_mtp=use_mtp, api_key=api_key,
                     model_name=model_name, max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, group=group,
-                    watchdog=watchdog)
+                    watchdog=watchdog, reasoning_markers=reasoning_markers)
     sock = sock if sock is not None else bind(host, port)
     try:
         with started(api, warm=warm, log=log):

@@ -127,18 +127,22 @@ def tool_call_constraint(tool_list: list[dict] | None, tool_choice: Any, api: An
         raise BadRequest(f"tools: cannot build the call grammar: {e}", "tools") from None
 
 
-def submit_args(args: dict, constraint: Any) -> dict:
-    """`args` (`Engine.submit`'s) with `constraint`, whose stop tokens join the request's stop tokens.
+def submit_args(args: dict, constraint: Any, grammar: Any = None) -> dict:
+    """`args` (`Engine.submit`'s) with `constraint`, whose grammar's stop tokens join the request's stop tokens.
 
+    `grammar` is the grammar inside `constraint` where something wraps it
+    (the reasoning phase in front of it); by default `constraint` itself.
     The grammar allows only its stop tokens once it is complete (a forced
     call's closing marker written), so the request ends right there; a stop
     token the request did not list would let it run on to max_tokens.
     """
-    if constraint is None:
-        return {**args, "constraint": None}
+    grammar = constraint if grammar is None else grammar
+    out = {**args, "constraint": constraint}
     stops = tuple(args.get("stop_token_ids") or ())
-    more = tuple(t for t in getattr(constraint, "stop_token_ids", ()) if t not in stops)
-    return {**args, "constraint": constraint, "stop_token_ids": stops + more}
+    more = tuple(t for t in getattr(grammar, "stop_token_ids", ()) if t not in stops)
+    if more:
+        out["stop_token_ids"] = stops + more
+    return out
 
 
 def constraint(body: dict, api: Any, tool_list: list[dict] | None = None, tool_choice: Any = "none") -> Any:
