@@ -120,7 +120,7 @@ def generate_batched(
                 stop_token_ids=stop_token_ids, use_mtp_draft=use_mtp_draft, depth=depth, reject_mode=reject_mode,
                 serial=serial, on_commit=on_commit, enforce_eager=enforce_eager, constraints=constraints,
                 compact_rows=compact_rows, kv_bits=kv_bits, kv_group_size=kv_group_size)
-    if _reference_only(runtime, reject_mode, enforce_eager):
+    if needs_reference(runtime, reject_mode, enforce_eager):
         return generate_reference(runtime, prompts, **args)
     t0 = time.perf_counter()
     vocab = int(runtime.vocab_size)
@@ -167,7 +167,7 @@ def generate_batched(
     return res
 
 
-def _reference_only(runtime: Any, reject_mode: str, enforce_eager: bool) -> bool:
+def needs_reference(runtime: Any, reject_mode: str, enforce_eager: bool) -> bool:
     """Whether a decode needs the reference loop: uniform repair, eager graphs, recurrent layers the capture
     cannot route, or a runtime keeping per-row state outside its caches (`keep_rows`, `decode.compaction`),
     whose rows could not move between the engine's batches."""
@@ -243,4 +243,4 @@ def generate_greedy_batched(
     )
 
 
-__all__ = ["generate_batched", "generate_greedy_batched"]
+__all__ = ["generate_batched", "generate_greedy_batched", "needs_reference"]
