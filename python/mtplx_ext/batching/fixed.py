@@ -169,9 +169,12 @@ def generate_batched(
 
 def needs_reference(runtime: Any, reject_mode: str, enforce_eager: bool) -> bool:
     """Whether a decode needs the reference loop: uniform repair, eager graphs, recurrent layers the capture
-    cannot route, or a runtime keeping per-row state outside its caches (`keep_rows`, `decode.compaction`),
-    whose rows could not move between the engine's batches."""
+    cannot route, a runtime keeping per-row state outside its caches (`keep_rows`, `decode.compaction`),
+    whose rows could not move between the engine's batches, or one split across the ranks of a distributed
+    group (`runtime.group`; its engine form is `LockstepEngine`, which agrees every step across the ranks)."""
     if reject_mode != "repair" or enforce_eager or hasattr(runtime, "keep_rows"):
+        return True
+    if getattr(runtime, "group", None) is not None:  # split across ranks: served in lockstep by LockstepEngine
         return True
     return session.has_recurrent_layers(runtime) and not session.gated_delta_trunk(runtime)
 

@@ -100,6 +100,7 @@ def shard_runtime(runtime: MTPRuntime, group: Any, parallel: str, head: str | No
         return
     family = trunk_lib.family_of(runtime.trunk)
     lm = trunk_lib.text_model(runtime.trunk)
+    runtime.group = group  # (its ranks must run every forward in lockstep)
     if parallel == "tensor":
         if not hasattr(runtime.trunk, "shard"):
             raise CheckpointError(f"{where}: mlx-lm's {family} has no tensor-parallel shard(); try pipeline parallel")

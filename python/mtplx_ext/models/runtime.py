@@ -72,6 +72,7 @@ class MTPRuntime(nn.Module):
         self.model_type = str(config["model_type"])
         self.head_layout = head.layout if head is not None else None
         self.vocab_size = int(trunk_lib.text_config(config)["vocab_size"])
+        self.group: Any = None  # the distributed group its layers are split across (`checkpoints.sharded`), or None
         object.__setattr__(self, "_cpu_ops_fused", False)
         object.__setattr__(self, "_kv", (None, 64))
 
