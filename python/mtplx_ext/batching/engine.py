@@ -53,8 +53,10 @@ class Engine:
             the runtime's).
         context: most prompt + generated tokens of one request (default:
             the model's `max_position_embeddings`).
-        prefix_cache_bytes: most bytes of prompt KV kept for later prompts
+        prefix_cache_bytes: most bytes of prompt caches kept for later prompts
             that start alike (`prefix_cache.PrefixCache`; 0: off).
+        prefix_cache_dir, prefix_cache_disk_bytes: the prefix cache's disk tier (kept across restarts) and
+            its cap; prefix_block_tokens: the cache slots its blocks hold.
         kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
 
     Raises:
@@ -75,6 +77,7 @@ class Engine:
         tokenizer: Any = None,
         context: int | None = None,
         prefix_cache_bytes: int = 0,
+        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 1 << 30, prefix_block_tokens: int = 32,
         kv_bits: int | None = None, kv_group_size: int = 64,
     ):
         self.rt = runtime
@@ -89,7 +92,8 @@ class Engine:
         self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
                                    else self.max_batch * admission.capacity(self.context), lo=1)
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
-        self.prefix = PrefixCache(as_int("prefix_cache_bytes", prefix_cache_bytes, lo=0))
+        self.prefix = PrefixCache.for_runtime(runtime, prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes,
+                                              prefix_block_tokens)
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
@@ -183,6 +187,7 @@ class Engine:
             return
         self._thread.stop(timeout, reason)
         self._thread = None
+        self.prefix.flush()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -281,9 +286,7 @@ class Engine:
         k = self._depths.expected(len(self._live) + len(self._ready) + 1) if self._depths else self.depth
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
-        entry, r.prefill_from = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)
-        if entry is not None:
-            self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
+        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok else 0
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
