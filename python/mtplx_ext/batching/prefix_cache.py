@@ -192,7 +192,7 @@ class PrefixCache:
         self._settle()
         if best is None or best.m < self.min_tokens:
             return None
-        self.ram.touch([*(("s", best.state.key),) * (best.state is not None),
+        self.ram.touch([*([("s", best.state.key)] if best.state is not None else []),
                         *(("n", n.key) for n in reversed(best.nodes))])
         self.stats["prefix_hits"] += 1
         self.stats["prefix_tokens_reused"] += best.m
