@@ -56,11 +56,13 @@ def _to_mlx(a: np.ndarray, dtype: str) -> mx.array:
     return x.view(mx.bfloat16) if dtype == "bfloat16" else x
 
 
-def _digest(tensors: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
+def _digest(tensors: dict[str, np.ndarray], meta: dict[str, str]) -> str:
+    """SHA-256 of the metadata (but the digest itself) and every tensor's name, dtype, shape and bytes."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "sha256"}, sort_keys=True).encode())
     for name in sorted(tensors):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(tensors[name]).tobytes())
+        a = np.ascontiguousarray(tensors[name])
+        h.update(f"{name}:{a.dtype.str}:{a.shape};".encode())
+        h.update(a.tobytes())
     return h.hexdigest()
 
 
@@ -163,14 +165,14 @@ class DiskTier:
                 tensors[f"a.{i}.{j}"], dt = _to_numpy(a)
                 dtypes.append(dt)
         meta = {"format": FORMAT, "fingerprint": self.fingerprint, "key": item.key.hex(),
-                "layers": json.dumps([len(p) for p in arrays]), "dtypes": json.dumps(dtypes),
-                "sha256": _digest(tensors)}
+                "layers": json.dumps([len(p) for p in arrays]), "dtypes": json.dumps(dtypes)}
         if isinstance(item, Node):
             tag, parent = "n", item.parent
             meta.update(parent=item.parent.hex(), start=str(item.start), tokens=json.dumps(item.tokens.tolist()))
         else:
             tag, parent = "s", None
             meta.update(boundary=str(item.boundary))
+        meta["sha256"] = _digest(tensors, meta)
         self.jobs.put(lambda: self._write(tag, item.key, parent, tensors, meta))
 
     def _write(self, tag: str, key: bytes, parent: bytes | None, tensors: dict[str, np.ndarray],
@@ -261,7 +263,7 @@ class DiskTier:
         if meta.get("key") != key.hex():
             raise ValueError("its key is not its name's")
         tensors = st_load(data)
-        if _digest(tensors) != meta.get("sha256"):
+        if _digest(tensors, meta) != meta.get("sha256"):
             raise ValueError("checksum mismatch")
         layers, dtypes = json.loads(meta["layers"]), json.loads(meta["dtypes"])
         flat = iter(dtypes)
