@@ -272,6 +272,8 @@ class Engine:
                     try:
                         next(gen)
                         r.prefill_pos += tokens
+                        if self._prefix_ok:  # hybrid trunks: a resumable state every so many tokens
+                            self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())
                     except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
                         self._waiting.popleft()
                         self._finish_prefill(r, cyc, *done.value)

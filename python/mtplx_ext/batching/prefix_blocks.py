@@ -14,11 +14,12 @@ block is a partial node (fewer slots, same naming); it has no children.
 Recurrent layers (a hybrid trunk's conv and GatedDeltaNet state, the carries
 of a head of several modules) cannot be cut back to an earlier slot, so a
 resume at slot m needs their state *at* m: a `State` hangs on the node that
-ends at its boundary. States are kept where a stored prompt or reply ends;
-when a later state of the same chain is stored, earlier ones closer than
-`state_interval` tokens below it are dropped (the later one serves every
-prompt that extends it; a sparse ladder of older ones serves prompts that
-branch off earlier).
+ends at its boundary. States are kept where a stored prompt or reply ends
+and, during a cold prefill, every `state_interval` tokens (a ladder: a
+prompt that shares only a long system prompt with a stored one resumes from
+the last rung inside it). When a later state of the same chain is stored,
+the earlier ones that are not rungs are dropped: the later one serves every
+prompt that extends it.
 
 Nodes and states live in one least-recently-used order within `max_bytes`;
 a hit touches its path leaf first, so a chain's root is the last to go. Only
@@ -169,17 +170,12 @@ class BlockStore:
                     self.remove("s", k, dropped=False)
 
     def thin_states(self, path: list[Node], boundary: int, shadowed: list[Node]) -> None:
-        """After a state at `boundary` on `path`: drops the earlier states of the same chain that sit closer
-        than `state_interval` below the next kept one, and the `shadowed` partial nodes (prefixes of path
-        nodes) left without a state."""
-        below = sorted(((n.end, n.key) for n in [*path, *shadowed] if n.end < boundary and self.state(n.key)),
-                       reverse=True)
-        kept = boundary
-        for end, key in below:
-            if kept - end >= self.state_interval:
-                kept = end
-            else:
-                self.remove("s", key)
+        """After a state at `boundary` on `path`: drops the earlier states of the same chain but the ladder's
+        rungs (multiples of `state_interval`), and the `shadowed` partial nodes (prefixes of path nodes) left
+        without a state."""
+        for n in [*path, *shadowed]:
+            if n.end < boundary and n.end % self.state_interval and self.state(n.key) is not None:
+                self.remove("s", n.key)
         for n in shadowed:
             if self.state(n.key) is None:
                 self.remove("n", n.key)

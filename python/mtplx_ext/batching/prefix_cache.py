@@ -75,11 +75,12 @@ class PrefixCache:
         fingerprint: the weights' fingerprint (`decode.autodepth.weights_fingerprint`): every key
             starts from it, so another model's blocks never match.
         disk_dir, disk_bytes: the disk tier's directory and cap (None: no disk tier).
-        state_interval: tokens between the recurrent states kept on one chain below its newest.
+        state_interval: tokens between the recurrent states a prefill keeps on the way (`checkpoint`); a
+            multiple of `block_tokens` (and of the engine's prefill chunk, where the checkpoints fall).
     """
 
     def __init__(self, max_bytes: int, min_tokens: int = 8, *, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 fingerprint: str = "", disk_dir: Any = None, disk_bytes: int = 0, state_interval: int = 1024):
+                 fingerprint: str = "", disk_dir: Any = None, disk_bytes: int = 0, state_interval: int = 512):
         self.max_bytes = as_int("prefix_cache_bytes", max_bytes, lo=0)
         self.min_tokens = as_int("min_tokens", min_tokens, lo=1)
         self.block = as_int("prefix_block_tokens", block_tokens, lo=1)
@@ -278,6 +279,13 @@ class PrefixCache:
         self.ram.thin_states(path, n, shadowed)
         self.ram.touch([*(("s", key),) * bool(rec), *(("n", node.key) for node in reversed(path))])
         self._settle()
+
+    def checkpoint(self, prompt: Sequence[int], done: int, cache_lists: Sequence[Sequence[Any]]) -> None:
+        """Between prefill chunks (`done` prompt tokens in the caches): with recurrent layers, at each
+        multiple of `state_interval`, stores the prompt so far and the state there (a ladder's rung)."""
+        if self.max_bytes > 0 and done < len(prompt) and done % self.ram.state_interval == 0 and \
+                split_layers(cache_lists)[2]:
+            self.store(list(prompt[: done + 1]), cache_lists)
 
     # -- housekeeping --------------------------------------------------------
 
