@@ -245,7 +245,10 @@ class DiskTier:
         except Exception as e:  # noqa: BLE001 - any damage: skip the file, prefill instead
             log.warning("prefix cache: skipped %s (%s)", path.name, str(e)[:200] or type(e).__name__)
             self.stats["prefix_disk_skipped"] += 1
-            self.delete(tag, key)
+            with self.lock:  # out of the index now (no second look), off the disk by the writer
+                gone = self._forget(tag, key)
+            if gone is not None:
+                self.jobs.put(lambda: gone.unlink(missing_ok=True))
             return None
         try:
             os.utime(path)  # recency survives a restart
