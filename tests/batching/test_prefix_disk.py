@@ -128,3 +128,23 @@ def test_bad_disk_tier_arguments_are_refused_naming_them(shipped, tmp_path, kwar
     kwargs = {k: (f if v == "FILE" else v) for k, v in kwargs.items()}
     with pytest.raises((TypeError, ValueError), match=needle):
         Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=MB, **kwargs)
+
+
+def test_the_serve_cli_and_build_api_hand_the_disk_tier_to_the_engine(tmp_path, capsys):
+    from _serve import cli_serve_args
+
+    from mtplx_ext import cli
+    from mtplx_ext.serve import build_api
+
+    runtime, folder, kwargs = cli_serve_args("--depth", "1", "--prefix-cache-dir", str(tmp_path),
+                                             "--prefix-cache-disk-bytes", "10M")
+    assert kwargs["prefix_cache_dir"] == str(tmp_path) and kwargs["prefix_cache_disk_bytes"] == 10 << 20
+    api = build_api(runtime, folder, depth=1, prefix_cache_dir=kwargs["prefix_cache_dir"],
+                    prefix_cache_disk_bytes=kwargs["prefix_cache_disk_bytes"])
+    disk = api.engine.prefix.disk
+    assert disk is not None and disk.dir == tmp_path and disk.max_bytes == 10 << 20
+    api.engine.prefix.close()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, naming the flag
+        cli.main(["serve", "--port", "0", "--prefix-cache-disk-bytes", "lots"])
+    assert exit_.value.code == 2 and "--prefix-cache-disk-bytes" in capsys.readouterr().err.splitlines()[-1]
