@@ -35,9 +35,13 @@ def _random(family: str, modules: int):
     return rt
 
 
-#: (name, runtime maker): a trained hybrid, random trunks with heads of one and two modules.
+PAIR = Path(__file__).resolve().parents[2] / "bench" / "models" / "tiny-gemma4-pair"
+
+#: (name, runtime maker): a trained hybrid, random trunks with heads of one and two modules, a Gemma 4 target
+#: with its assistant (a frozen-KV drafter: nothing of its own to store).
 MODELS = {
     "hybrid-bench": None,
+    "gemma4-pair": lambda: mtplx_ext.load(PAIR / "target", drafter=PAIR / "assistant"),
     "qwen3-2-modules": lambda: _random("qwen3", 2),
     "qwen3_5-2-modules": lambda: _random("qwen3_5", 2),
     "qwen3_next-1-module": lambda: _random("qwen3_next", 1),
