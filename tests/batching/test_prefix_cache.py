@@ -105,7 +105,7 @@ def test_blocks_are_evicted_least_recently_used_within_the_cap(shipped, rng):
     oldest = _prefilled(eng) - before
     before = _prefilled(eng)
     _run(eng, (prompts[2] + [1, 2, 3], dict(max_tokens=1)))  # the newest is all there
-    assert _prefilled(eng) - before == 4 < oldest
+    assert _prefilled(eng) - before <= 4 < oldest  # (3 when token 1 is the first token it decoded)
 
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
