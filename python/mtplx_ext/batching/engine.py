@@ -77,7 +77,7 @@ class Engine:
         tokenizer: Any = None,
         context: int | None = None,
         prefix_cache_bytes: int = 0,
-        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 1 << 30, prefix_block_tokens: int = 32,
+        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 4 << 30, prefix_block_tokens: int = 32,
         kv_bits: int | None = None, kv_group_size: int = 64,
     ):
         self.rt = runtime

@@ -105,6 +105,8 @@ class BlockStore:
     children: dict[bytes, set[bytes]] = field(default_factory=dict)
     bytes: int = 0
     evictions: int = 0
+    #: Items held per kind ("n", "s"): kept up to date, so metrics read from other threads never iterate `items`.
+    counts: dict[str, int] = field(default_factory=lambda: {"n": 0, "s": 0})
     dropped: list[tuple[str, bytes]] = field(default_factory=list)
 
     def node(self, key: bytes) -> Node | None:
@@ -125,6 +127,7 @@ class BlockStore:
         item.nbytes = nbytes_of(item.kv if isinstance(item, Node) else item.leaves)
         self.items[(tag, item.key)] = item
         self.bytes += item.nbytes
+        self.counts[tag] += 1
         if isinstance(item, Node):
             self.children.setdefault(item.parent, set()).add(item.key)
 
@@ -134,6 +137,7 @@ class BlockStore:
         if item is None:
             return
         self.bytes -= item.nbytes
+        self.counts[tag] -= 1
         if isinstance(item, Node):
             kids = self.children.get(item.parent)
             if kids is not None:
@@ -184,10 +188,9 @@ class BlockStore:
         self.items.clear()
         self.children.clear()
         self.bytes = 0
+        self.counts = {"n": 0, "s": 0}
         self.dropped.clear()
 
-    def count(self, tag: str) -> int:
-        return sum(1 for t, _ in self.items if t == tag)
 
 
 __all__ = ["BlockStore", "Node", "State", "block_key", "nbytes_of", "root_key"]

@@ -44,6 +44,15 @@ DEFAULT_BLOCK_TOKENS = 32
 DISK_CHILD_READS = 8
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("mtplx-ext")
+    except metadata.PackageNotFoundError:
+        return "-"
+
+
 @dataclass
 class Plan:
     """A resume: the chain's nodes covering slots [0, m) and the recurrent state at m (None: not needed)."""
@@ -94,7 +103,7 @@ class PrefixCache:
         self.stats = {"prefix_lookups": 0, "prefix_hits": 0, "prefix_tokens_reused": 0}
 
     @classmethod
-    def for_runtime(cls, runtime: Any, max_bytes: int, disk_dir: Any = None, disk_bytes: int = 1 << 30,
+    def for_runtime(cls, runtime: Any, max_bytes: int, disk_dir: Any = None, disk_bytes: int = 4 << 30,
                     block_tokens: int = DEFAULT_BLOCK_TOKENS) -> "PrefixCache":
         """The engine's cache: keys start from the runtime's weights fingerprint (when the cache is on).
 
@@ -107,7 +116,8 @@ class PrefixCache:
         block_tokens = as_int("prefix_block_tokens", block_tokens, lo=1)
         if disk_dir is not None:
             disk_dir = check_dir(disk_dir)
-        fp = weights_fingerprint(runtime) if max_bytes > 0 else ""
+        # The libraries too: a file written by another MLX computed its arrays with other kernels.
+        fp = f"{weights_fingerprint(runtime)}-mlx{mx.__version__}-mtplx{_version()}" if max_bytes > 0 else ""
         return cls(max_bytes, block_tokens=block_tokens, fingerprint=fp, disk_dir=disk_dir, disk_bytes=disk_bytes)
 
     @staticmethod
@@ -312,8 +322,8 @@ class PrefixCache:
     def metrics(self) -> dict[str, Any]:
         """Counters, blocks, states, bytes per tier and the hit rate (hits / lookups)."""
         s = self.stats
-        out = {**s, "prefix_evictions": self.ram.evictions, "prefix_entries": self.ram.count("n"),
-               "prefix_states": self.ram.count("s"), "prefix_bytes": self.ram.bytes, "prefix_bytes_ram": self.ram.bytes,
+        out = {**s, "prefix_evictions": self.ram.evictions, "prefix_entries": self.ram.counts["n"],
+               "prefix_states": self.ram.counts["s"], "prefix_bytes": self.ram.bytes, "prefix_bytes_ram": self.ram.bytes,
                "prefix_hit_rate": s["prefix_hits"] / s["prefix_lookups"] if s["prefix_lookups"] else 0.0,
                "prefix_disk_hits": 0, "prefix_disk_writes": 0, "prefix_disk_skipped": 0, "prefix_disk_evictions": 0,
                "prefix_bytes_disk": 0, "prefix_files_disk": 0}
