@@ -119,13 +119,15 @@ def test_the_directory_stays_under_its_cap(hybrid, rng, tmp_path):
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(prefix_cache_dir=7), "prefix_cache_dir"),
     (dict(prefix_cache_dir="FILE"), "prefix_cache_dir"),
+    (dict(prefix_cache_dir="UNDER_FILE"), "prefix_cache_dir"),
     (dict(prefix_cache_disk_bytes=-1), "prefix_cache_disk_bytes"),
     (dict(prefix_block_tokens=0), "prefix_block_tokens"),
 ])
 def test_bad_disk_tier_arguments_are_refused_naming_them(shipped, tmp_path, kwargs, needle):
     f = tmp_path / "a-file"
     f.write_text("x")
-    kwargs = {k: (f if v == "FILE" else v) for k, v in kwargs.items()}
+    kwargs = {k: {"FILE": f, "UNDER_FILE": f / "sub"}.get(v, v) if isinstance(v, str) else v
+              for k, v in kwargs.items()}
     with pytest.raises((TypeError, ValueError), match=needle):
         Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=MB, **kwargs)
 

@@ -84,7 +84,12 @@ class DiskTier:
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, fingerprint: str):
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"prefix_cache_dir {str(self.dir)!r} cannot be created: {e.strerror or e}") from None
+        if not os.access(self.dir, os.W_OK | os.X_OK):
+            raise ValueError(f"prefix_cache_dir {str(self.dir)!r} is not writable")
         self.max_bytes = int(max_bytes)
         self.fingerprint = fingerprint
         self.lock = threading.Lock()
