@@ -66,7 +66,7 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 30) 
 
 def metrics(base: str, key: str | None = None) -> dict:
     h = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.get(base + "/metrics", headers=h, timeout=30).json()
+    return httpx.get(base + "/metrics.json", headers=h, timeout=30).json()
 
 
 def wait_idle(base: str, key: str | None = None, timeout: float = 30) -> dict:

@@ -12,6 +12,7 @@ such tokenizer is available offline here.
 
 Then the engine's own per-cycle host work on each vocabulary
 (`RowConstraints.probe` at depth 3: K + 1 masks, forced drafts, roll back).
+The engine's current choice weighs the install too: `grammar_choice.py`.
 
     python bench/scripts/grammar_engines.py [--big-vocab 151643]
 """
@@ -97,11 +98,21 @@ def synthetic_tokens(n: int) -> list[bytes]:
     return out
 
 
+_INDEX: dict[int, tuple[dict[bytes, int], int]] = {}
+
+
 def greedy_ids(tokens: list[bytes], text: str) -> list[int]:
-    """Longest-match tokenization of `text` over the vocabulary (a valid token path)."""
-    index = {t: i for i, t in enumerate(tokens) if t and i != 0}
+    """Longest-match tokenization of `text` over the vocabulary (a valid token path).
+
+    The index is built once per vocabulary: llguidance calls this for the
+    text it forces, and rebuilding a 151k-entry index per call (about 40 ms)
+    once passed for llguidance's own mask time here.
+    """
+    if id(tokens) not in _INDEX:
+        idx = {t: i for i, t in enumerate(tokens) if t and i != 0}
+        _INDEX[id(tokens)] = idx, max(len(t) for t in idx)
+    index, longest = _INDEX[id(tokens)]
     data, ids, i = text.encode(), [], 0
-    longest = max(len(t) for t in index)
     while i < len(data):
         for L in range(min(longest, len(data) - i), 0, -1):
             j = index.get(data[i : i + L])
@@ -189,20 +200,28 @@ def bench_outlines(tokens: list[bytes], ids: list[int]) -> dict:
 
 
 def bench_probe(tokens: list[bytes], ids: list[int], depth: int = 3) -> list[float]:
-    """ms per cycle of the engine's host mask work (`RowConstraints.probe`, xgrammar) at depth K, one row.
+    """ms per cycle of the engine's host mask work (`RowConstraints.probe`, llguidance) at depth K, one row.
 
     Cycles walk the answer: each probes the next K + 1 tokens (masks for
     every position, forced drafts, roll back) and commits two of them.
     """
+    import llguidance
     import numpy as np
-    import xgrammar as xgr
 
-    from mtplx_ext.decode.constraint import GrammarConstraint, RowConstraints
+    from mtplx_ext.decode.constraint import JSON_LAYOUT, GrammarConstraint, RowConstraints
 
-    info = xgr.TokenizerInfo(tokens, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
-    text_ids = lambda text: greedy_ids(tokens, text)  # noqa: E731
-    rows = RowConstraints([GrammarConstraint(compiled, encode=text_ids)], len(tokens), depth + 1)
+    class Tok:
+        eos_token_id, bos_token_id, special_token_ids = 0, None, [0]
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, s: bytes | str) -> list[int]:
+            return greedy_ids(tokens, s.decode() if isinstance(s, bytes) else s)
+
+    lt = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tok()))
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=JSON_LAYOUT)
+    rows = RowConstraints([GrammarConstraint(lt, grammar)], len(tokens), depth + 1)
     compact = greedy_ids(tokens, json.dumps(json.loads(ANSWER), separators=(", ", ": ")))
     per, i = [], 0
     while i + depth + 1 <= len(compact):
@@ -233,7 +252,7 @@ def main() -> None:
                   f"mask/token median {statistics.median(ms):.3f} ms  p90 {sorted(ms)[int(0.9*len(ms))]:.3f} ms")
         try:
             per = bench_probe(tokens, ids)
-            print(f"  engine probe (xgrammar, K = 3): median {statistics.median(per):.3f} ms/cycle, "
+            print(f"  engine probe (llguidance, K = 3): median {statistics.median(per):.3f} ms/cycle, "
                   f"max {max(per):.3f} ms ({len(per)} cycles)")
         except Exception as e:  # noqa: BLE001
             print(f"  engine probe failed: {type(e).__name__}: {e}")

@@ -132,9 +132,20 @@ def _agent_turns(d: dict) -> list[str]:
             f"cache {size['ratio']:.2f}x the last prompt's KV", f"after a restart {d['restart_speedup']:.1f}x"]
 
 
+def _grammar_choice(d: dict) -> list[str]:
+    out = []
+    for name, e in d.get("engines", {}).items():
+        if "missing" in e:
+            continue
+        out.append(f"{name}: mask/token median json_schema {e['json_schema']['median_ms'] * 1e3:.0f} us, tool call "
+                   f"{e['tool_call']['median_ms'] * 1e3:.0f} us; installs {_fmt(e['install']['added_to_serve_mb'])} MB")
+    return out
+
+
 HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "long_context.py": _long_context, "llama_cpp_peer.py": _llama_cpp_peer, "serve_load.py": _serve_load,
-    "depth_sweep.py": _depth_sweep, "mtplx-ext bench": _bench, "agent_turns.py": _agent_turns,
+    "depth_sweep.py": _depth_sweep, "mtplx-ext bench": _bench, "grammar_choice.py": _grammar_choice,
+    "agent_turns.py": _agent_turns,
 }
 
 

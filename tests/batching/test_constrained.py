@@ -13,7 +13,7 @@ import pytest
 from _engine import drive
 import _seed
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext import SamplerConfig  # noqa: E402

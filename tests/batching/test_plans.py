@@ -15,7 +15,7 @@ def waiting(i: int, prompt: int, need: int = 100, remaining: int | None = None) 
 
 def test_an_idle_engine_prefills_every_request_that_fits_whole_and_in_order():
     plan = plan_prefill([waiting(0, 40), waiting(1, 600), waiting(2, 10)], [], False, 256, 8, 10_000)
-    assert plan.chunks == (PrefillChunk(0, True, 1), PrefillChunk(1, True, 3), PrefillChunk(2, True, 1))
+    assert plan.chunks == (PrefillChunk(0, True, 1, 0), PrefillChunk(1, True, 3), PrefillChunk(2, True, 1, 2))
 
 
 def test_nothing_overtakes_a_request_that_does_not_fit_yet():
@@ -27,15 +27,28 @@ def test_nothing_overtakes_a_request_that_does_not_fit_yet():
     assert plan.chunks == (), "a third row does not fit max_batch = 2"
 
 
+def test_whole_prompts_starting_together_prefill_as_one_group_per_policy_class():
+    def info(i: int, kind: str = "greedy", constrained: bool = False) -> Waiting:
+        return Waiting(RowInfo(i, 100, kind=kind, constrained=constrained), 8)
+
+    queue = [info(0), info(1), info(2, "sampled"), info(3, "penalties"), info(4, constrained=True), info(5), info(6)]
+    plan = plan_prefill(queue, [], False, 256, 8, 10_000)
+    groups = [c.group for c in plan.chunks]
+    assert groups[0] == groups[1] is not None, "greedy rows arriving together share one forward"
+    assert groups[2] == groups[3] not in (None, groups[0]), "sampled rows (penalties too) form their own group"
+    assert groups[4] is None, "a constrained row's first token is masked by its grammar: it goes alone"
+    assert groups[5] == groups[6] not in (None, groups[0]), "a group never spans a row that goes alone"
+
+
 def test_while_streams_decode_a_step_forwards_one_chunk_of_prompt_tokens():
     # Short prompts go whole within the budget; a first chunk larger than what is left waits a step.
     plan = plan_prefill([waiting(0, 5), waiting(1, 5), waiting(2, 30)], [RowInfo(9, 50)], True, 16, 8, 10_000)
-    assert plan.chunks == (PrefillChunk(0, True, 1), PrefillChunk(1, True, 1))
+    assert plan.chunks == (PrefillChunk(0, True, 1, 0), PrefillChunk(1, True, 1, 0)), "arriving together: one forward"
     # A long prompt takes one chunk a step and goes on where it stopped.
     first = plan_prefill([waiting(0, 40), waiting(1, 4)], [RowInfo(9, 50)], True, 16, 8, 10_000)
     assert first.chunks == (PrefillChunk(0, True, 1),)
     later = plan_prefill([waiting(0, 40, remaining=8), waiting(1, 4)], [RowInfo(9, 50)], True, 16, 8, 10_000)
-    assert later.chunks == (PrefillChunk(0, False, 1), PrefillChunk(1, True, 1))
+    assert later.chunks == (PrefillChunk(0, False, 1), PrefillChunk(1, True, 1, 1))
 
 
 def test_a_batch_is_rebuilt_only_when_something_changed():

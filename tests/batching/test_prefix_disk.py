@@ -57,7 +57,7 @@ def test_a_new_engine_over_the_same_directory_resumes_from_its_files(hybrid, rng
         with safe_open(str(f), framework="numpy") as st:
             assert st.metadata()["format"] == FORMAT and len(list(st.keys())) > 0
     eng = _engine(hybrid, tmp_path)  # "after a restart": a fresh engine and RAM tier
-    assert eng.metrics()["prefix_bytes_ram"] == 0 and eng.metrics()["prefix_files_disk"] == len(files)
+    assert eng.metrics()["prefix_bytes"] == 0 and eng.metrics()["prefix_entries_disk"] == len(files)
     r = _run(eng, turn, max_tokens=10)
     m = eng.metrics()
     assert m["prefix_hits"] == 1 and m["prefix_disk_hits"] >= 2 and m["prefix_tokens_reused"] >= len(base)
@@ -113,7 +113,7 @@ def test_the_directory_stays_under_its_cap(hybrid, rng, tmp_path):
     eng.prefix.flush()
     m = eng.metrics()
     assert sum(f.stat().st_size for f in (tmp_path / "capped").iterdir()) == m["prefix_bytes_disk"] <= cap
-    assert m["prefix_disk_evictions"] > 0 and m["prefix_disk_writes"] > m["prefix_files_disk"]
+    assert m["prefix_disk_evictions"] > 0 and m["prefix_disk_writes"] > m["prefix_entries_disk"]
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -93,7 +93,7 @@ def test_seeded_sampled_requests_give_their_alone_tokens_whatever_else_is_in_the
         assert eng.live_streams == 0 and eng.kv_slots == 0
 
 
-def test_a_cancelled_middle_row_is_evicted_and_its_neighbours_go_on_unchanged(rng):
+def test_a_cancelled_middle_row_stops_and_leaves_with_the_next_halving_and_its_neighbours_go_on_unchanged(rng):
     rt = _runtime("qwen3_next", rng)
     prompts = [random_prompt(rng, rt, 1, 20) for _ in range(3)]
     caps = [14, 200, 18]
@@ -106,6 +106,11 @@ def test_a_cancelled_middle_row_is_evicted_and_its_neighbours_go_on_unchanged(rn
         reqs[1].cancel()
         eng.step()
         assert reqs[1].finish_reason == "cancelled" and eng.live_streams == 2
+        assert eng.batch_rows == 3, "one row of three finished: the batch keeps its shape"
+        while not reqs[0].done:
+            eng.step()
+        eng.step()
+        assert eng.batch_rows == (0 if reqs[2].done else 1), "two of three finished: the batch halves"
         while eng.step():
             pass
     for i in (0, 2):

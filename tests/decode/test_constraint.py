@@ -18,10 +18,13 @@ import pytest
 import _seed
 
 jsonschema = pytest.importorskip("jsonschema")
-xgr = pytest.importorskip("xgrammar")
+llguidance = pytest.importorskip("llguidance")
 
 import mtplx_ext  # noqa: E402
-from mtplx_ext.decode.constraint import GrammarVocab, RowConstraints, apply_bitmask, mask_words  # noqa: E402
+import llguidance.numpy  # noqa: E402
+
+from mtplx_ext.decode.constraint import (  # noqa: E402
+    JSON_LAYOUT, GrammarVocab, RowConstraints, apply_bitmask, mask_words)
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL, eos_ids  # noqa: E402
 
 
@@ -40,20 +43,26 @@ def random_schema(rng: np.random.Generator) -> dict:
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
+def matcher(gv: GrammarVocab, schema: dict):
+    """A bare llguidance matcher of `schema` (the layout `GrammarVocab` uses), independent of the adapter."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+    return llguidance.LLMatcher(gv.tokenizer, grammar, log_level=0)
+
+
 def reference_greedy(rt, gv: GrammarVocab, schema: dict, prompt: list[int], n: int, eos: list[int]) -> list[int]:
-    """Masked argmax of full trunk forwards, with its own xgrammar matcher (float64)."""
-    m = xgr.GrammarMatcher(gv.compiler.compile_json_schema(json.dumps(schema), strict_mode=True, any_whitespace=False))
+    """Masked argmax of full trunk forwards, with its own llguidance matcher (float64)."""
+    m = matcher(gv, schema)
     bits = np.zeros((1, mask_words(rt.vocab_size)), np.int32)
     out: list[int] = []
     for _ in range(n):
         logits = np.array(rt.trunk(mx.array([prompt + out]))[0, -1].astype(mx.float32), np.float64)
-        m.fill_next_token_bitmask(bits)
+        llguidance.numpy.fill_next_token_bitmask(m, bits)
         allowed = np.unpackbits(bits.view(np.uint8), bitorder="little")[: rt.vocab_size].astype(bool)
         t = int(np.argmax(np.where(allowed, logits, -np.inf)))
         out.append(t)
-        assert m.accept_token(t)
         if t in eos:
             break
+        assert m.consume_token(t)
     return out
 
 
@@ -111,13 +120,11 @@ def test_row_constraints_probe_leaves_the_state_unchanged_and_masks_each_prefix(
     before = np.array(guide.current())[0, 0]
     masks = np.array(guide.probe(np.array([ids]), force=False)[0])[0]
     assert np.array_equal(np.array(guide.current())[0, 0], before)  # rolled back
-    m = xgr.GrammarMatcher(gv.compiler.compile_json_schema(json.dumps(schema), strict_mode=True, any_whitespace=False))
+    m = matcher(gv, {**schema, "additionalProperties": False})  # json_schema is strict by default
     want = np.zeros((1, mask_words(rt.vocab_size)), np.int32)
     for j, t in enumerate(ids):
-        assert m.accept_token(t)
-        if m.is_terminated():
-            break
-        m.fill_next_token_bitmask(want)
+        assert m.consume_token(t)
+        llguidance.numpy.fill_next_token_bitmask(m, want)
         assert np.array_equal(masks[j], want[0]), f"position {j}"
 
 
@@ -130,3 +137,28 @@ def test_constraints_are_checked_before_decoding(shipped):
                                    constraints=[gv.json_object()], depth=1)
     with pytest.raises(ValueError, match="schema"):
         gv.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+
+
+def test_strict_schema_refuses_exactly_the_unlisted_properties_at_every_level():
+    from mtplx_ext.decode.constraint import strict_schema
+
+    rng = _seed.rng()
+    # Property names that are also keywords: a map of subschemas must not be read as a schema.
+    names = ["properties", "type", "items", "a", "enum"]
+    inner = {"type": "object", "properties": {str(n): {"type": "integer"} for n in rng.choice(names, 2, replace=False)}}
+    schema = {"type": "object", "properties": {"properties": inner, "type": {"type": "string"},
+                                               "list": {"type": "array", "items": inner}},
+              "$defs": {"x": inner}, "enum": None}
+    schema.pop("enum")
+    strict = strict_schema(schema)
+    inner_ok = {k: 1 for k in inner["properties"]}
+    ok = {"properties": inner_ok, "type": "t", "list": [inner_ok, {}]}
+    jsonschema.validate(ok, schema)
+    jsonschema.validate(ok, strict)  # what the schema lists stays allowed
+    extra = str(rng.choice(["zz", "additionalProperties", "required"]))
+    for bad in ({**ok, extra: 1}, {**ok, "properties": {**inner_ok, extra: 1}},
+                {**ok, "list": [{**inner_ok, extra: 1}]}):
+        jsonschema.validate(bad, schema)  # the plain schema allows more
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, strict)
+    assert strict_schema({"enum": [{"type": "object"}]}) == {"enum": [{"type": "object"}]}  # data stays data

@@ -21,7 +21,9 @@ import numpy as np
 import pytest
 import _seed
 
-xgr = pytest.importorskip("xgrammar")
+llguidance = pytest.importorskip("llguidance")
+
+import llguidance.numpy  # noqa: E402
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext import SamplerConfig  # noqa: E402
@@ -31,17 +33,27 @@ from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
 
 V = 8
 TOKENS = [b"<eos>", b"a", b"b", b"c", b"ab", b"ba", b"ca", b"bb"]
-GRAMMAR = 'root ::= p p p p p+\np ::= "a" [bc] "cc"'
+GRAMMAR = 'root ::= p p p p p+\np ::= "a" [bc] "cc"'  # GBNF (llguidance converts it)
 CFG = SamplerConfig(temperature=2.5, top_k=3)
 N = 5000
 #: Streams per broken variant (each is rejected with p far below ALPHA_BROKEN at this size).
 N_BROKEN = 2000
 
 
+class _Tokens:
+    """The 8-token vocabulary as llguidance's tokenizer protocol (token bytes, EOS, an encoder)."""
+
+    eos_token_id, bos_token_id, special_token_ids, tokens = 0, None, [0], TOKENS
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return encode(text.decode() if isinstance(text, bytes) else text)
+
+
 @pytest.fixture(scope="module")
 def compiled():
-    info = xgr.TokenizerInfo(TOKENS, vocab_type=xgr.VocabType.RAW, stop_token_ids=[0])
-    return xgr.GrammarCompiler(info).compile_grammar(GRAMMAR)
+    """(llguidance tokenizer, grammar): `GrammarConstraint`'s arguments."""
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Tokens()), slices=[])
+    return tokenizer, llguidance.grammar_from("gbnf", GRAMMAR)
 
 
 def encode(text: str) -> list[int]:
@@ -59,14 +71,25 @@ def encode(text: str) -> list[int]:
     return out
 
 
+_starts: dict = {}
+
+
+def start(compiled) -> "llguidance.LLMatcher":
+    """A bare llguidance matcher at the grammar's start, built once (copies of it are cheap, builds are not)."""
+    key = id(compiled[0]), compiled[1]
+    if key not in _starts:
+        _starts[key] = llguidance.LLMatcher(*compiled, log_level=0)
+    return _starts[key]
+
+
 def allowed_after(compiled, prefix: list[int]) -> np.ndarray | None:
     """[V] bool of the tokens the grammar allows after `prefix` (None: the prefix itself is refused)."""
-    m = xgr.GrammarMatcher(compiled)
+    m = start(compiled).deep_copy()
     for t in prefix:
-        if not m.accept_token(int(t)):
+        if not m.consume_token(int(t)):
             return None
     bits = np.zeros((1, mask_words(V)), np.int32)
-    m.fill_next_token_bitmask(bits)
+    llguidance.numpy.fill_next_token_bitmask(m, bits)
     return np.unpackbits(bits.view(np.uint8), bitorder="little")[:V].astype(bool)
 
 
@@ -87,10 +110,11 @@ def masked_joint(rt, compiled, prompt: list[int], n: int) -> np.ndarray:
 
 
 def decode(rt, compiled, prompt, seeds, depth, mtp=True, stop=(0,)):
+    first = GrammarConstraint(*compiled)
     res = mtplx_ext.generate_batched(
         rt, [prompt] * len(seeds), max_new_tokens=depth + 1, sampler=CFG, row_seeds=seeds, depth=depth,
         use_mtp_draft=mtp, stop_token_ids=list(stop),
-        constraints=[GrammarConstraint(compiled, encode=encode) for _ in seeds],
+        constraints=[first.fork() for _ in seeds],
     )
     seqs = np.array([s.tokens for s in res.streams])
     assert seqs.shape == (len(seeds), depth + 1)

@@ -34,7 +34,7 @@ def _client(base: str) -> "openai.OpenAI":
 
 
 def _submitted(base: str) -> int:
-    return httpx.get(base + "/metrics", headers=H, timeout=30).json()["submitted"]
+    return httpx.get(base + "/metrics.json", headers=H, timeout=30).json()["submitted"]
 
 
 def test_stream_usage_is_a_final_chunk_with_empty_choices_only_when_asked(server):

@@ -1,5 +1,5 @@
 """The prefix cache behind `mtplx-ext serve` on the hybrid bench model: a multi-turn conversation hits it (its
-/metrics count the lookups and hits), the warm-up leaves no files in --prefix-cache-dir, and a restarted server
+/metrics.json counts the lookups and hits, /metrics exports the disk tier's), the warm-up leaves no files in --prefix-cache-dir, and a restarted server
 resumes the conversation from the files."""
 
 from __future__ import annotations
@@ -33,18 +33,22 @@ def test_a_conversation_hits_the_cache_and_a_restarted_server_resumes_it_from_di
                                "--prefix-cache-dir", str(tmp_path), "--prefix-cache-disk-bytes", "64M")
     history, texts = rng.integers(0, V, 80).tolist(), []
     with LiveServer(*flags) as served:
-        m = httpx.get(served.base + "/metrics").json()
+        m = httpx.get(served.base + "/metrics.json").json()
         assert m["prefix_lookups"] == 0 and m["prefix_disk_writes"] == 0 and not list(tmp_path.iterdir())
         for _ in range(3):
             prompt = history + rng.integers(0, V, 12).tolist()
             texts.append((prompt, _turn(served.base, prompt, 8)))
             history = prompt + rt.tokenizer.encode(texts[-1][1]).ids
-        m = httpx.get(served.base + "/metrics").json()
+        m = httpx.get(served.base + "/metrics.json").json()
     assert m["prefix_lookups"] == 3 and m["prefix_hits"] >= 1 and m["prefix_disk_writes"] > 0, m
     nxt = history + rng.integers(0, V, 12).tolist()
     with LiveServer(*flags) as served:  # a restart
         texts.append((nxt, _turn(served.base, nxt, 8)))
-        m = httpx.get(served.base + "/metrics").json()
+        m = httpx.get(served.base + "/metrics.json").json()
+        prom = httpx.get(served.base + "/metrics").text  # the Prometheus export: the disk tier as tier="disk"
+    disk_hits = [float(line.split()[-1]) for line in prom.splitlines()
+                 if line.startswith('mtplx_prefix_cache_hits_total{tier="disk"}')]
+    assert disk_hits == [m["prefix_disk_hits"]], prom
     assert m["prefix_hits"] == 1 and m["prefix_disk_hits"] > 0 and m["prefill_tokens"] < len(nxt) - 80, m
     cold = Engine(rt, max_batch=1, depth=2)  # each reply is the cold engine's
     for prompt, text in texts:

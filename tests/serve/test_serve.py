@@ -131,12 +131,12 @@ def test_non_streaming_responses_carry_usage_and_mtp_statistics(server):
 )
 def test_bad_requests_get_400_with_an_openai_error_body_and_never_reach_the_engine(server, path, body, needle):
     h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    before = httpx.get(server + "/metrics", headers=h).json()["submitted"]
+    before = httpx.get(server + "/metrics.json", headers=h).json()["submitted"]
     r = httpx.post(server + path, content=body, headers=h, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
-    assert httpx.get(server + "/metrics", headers=h).json()["submitted"] == before
+    assert httpx.get(server + "/metrics.json", headers=h).json()["submitted"] == before
 
 
 def test_missing_or_wrong_api_key_gets_401(server):
@@ -150,7 +150,7 @@ def test_missing_or_wrong_api_key_gets_401(server):
 
 def test_a_client_that_drops_mid_stream_frees_its_row(server):
     h = {"Authorization": f"Bearer {KEY}"}
-    before = httpx.get(server + "/metrics", headers=h).json()["cancelled"]
+    before = httpx.get(server + "/metrics.json", headers=h).json()["cancelled"]
     body = {"prompt": "def main():", "max_tokens": 3000, "temperature": 0, "stream": True}
     with httpx.stream("POST", server + "/v1/completions", json=body, headers=h, timeout=60) as r:
         lines = r.iter_lines()
@@ -158,7 +158,7 @@ def test_a_client_that_drops_mid_stream_frees_its_row(server):
     assert any(g.startswith("data: ") for g in got)
     deadline = time.time() + 30
     while time.time() < deadline:
-        m = httpx.get(server + "/metrics", headers=h).json()
+        m = httpx.get(server + "/metrics.json", headers=h).json()
         if m["live_streams"] == 0 and m["cancelled"] > before:
             break
         time.sleep(0.1)

@@ -19,7 +19,7 @@ import _seed
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 
 from _serve import LiveServer  # noqa: E402
 

@@ -4,7 +4,7 @@ The engine decides and executes on its own thread; the modules beside it
 hold what is not the loop itself: `requests` (Request, Event), `admission`
 (what a request needs, what fits), `batch` (a batch shape's caches, policy
 and compiled cycle; rows moved between batches), `detok` (text and stop
-strings of a request).
+strings of a request), `metrics` (what `Engine.metrics()` reports).
 
 Each engine step:
 

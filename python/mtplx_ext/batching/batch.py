@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mtplx_ext.batching.metrics import kv_bytes
 from mtplx_ext.batching.scheduler import BatchShape
 from mtplx_ext.batching.requests import Request
 from mtplx_ext.cache.rows import RowState
@@ -170,6 +171,7 @@ class Batch:
         if shape.capped:
             self.cycle.row_depth = mx.full((B,), depth, dtype=mx.int32)
         self.compiled = False
+        self.kv_bytes = 0
 
     def caches(self) -> list[list]:
         return self.cycle.caches()
@@ -177,6 +179,7 @@ class Batch:
     def load(self, rows: Rows, reqs: Sequence[Request]) -> None:
         """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
         rows.cache.load_into(self.caches(), self.B, self.cap)
+        self.kv_bytes = kv_bytes(self.caches())  # what the loaded rows' KV buffers hold (`Engine.kv_bytes`)
         if self.cycle.row_depth is not None:
             self.cycle.row_depth = mx.array([r.depth for r in reqs], dtype=mx.int32)
         self.policy.load_rows(

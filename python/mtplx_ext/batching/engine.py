@@ -16,16 +16,18 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mtplx_ext._checks import as_int, as_prompts, as_seed, as_stop_ids
+from mtplx_ext._checks import as_int
 from mtplx_ext.cache.ragged import check_kv_quantization
-from mtplx_ext.batching import admission, constrained
+from mtplx_ext.batching import admission, constrained, prefill
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
 from mtplx_ext.batching.depths import engine_depths
+from mtplx_ext.batching.metrics import snapshot
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.rules import RequestRules
 from mtplx_ext.batching.scheduler import BatchShape, Waiting, needs_rebuild, plan_batch, plan_prefill
 from mtplx_ext.batching.runner import EngineThread
-from mtplx_ext.batching.token_logprobs import check_logprobs, cycle_entries, prefill_entry
+from mtplx_ext.batching.token_logprobs import cycle_entries, prefill_entry
 from mtplx_ext.decode import session
 from mtplx_ext.decode.cycle import Cycle
 from mtplx_ext.decode.results import BatchedDecodeResult
@@ -54,9 +56,8 @@ class Engine:
         context: most prompt + generated tokens of one request (default:
             the model's `max_position_embeddings`).
         prefix_cache_bytes: most bytes of prompt caches kept for later prompts
-            that start alike (`prefix_cache.PrefixCache`; 0: off).
-        prefix_cache_dir, prefix_cache_disk_bytes: the prefix cache's disk tier (kept across restarts) and
-            its cap; prefix_block_tokens: the cache slots its blocks hold.
+            that start alike (`prefix_cache.PrefixCache`; 0: off); prefix_cache_dir, prefix_cache_disk_bytes,
+            prefix_block_tokens: its disk tier (kept across restarts), the tier's cap, the slots of its blocks.
         kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
 
     Raises:
@@ -97,6 +98,8 @@ class Engine:
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
+        self.rules = RequestRules(self.vocab, self.depth, self.mtp, self.context, self.max_kv_slots,
+                                  self.tokenizer)
         self._ids = itertools.count()
         self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._rng = np.random.default_rng()
@@ -150,25 +153,10 @@ class Engine:
             TypeError / ValueError: naming the bad argument; a request that
                 could never fit (context or `max_kv_slots`).
         """
-        if isinstance(prompt, (str, bytes)):
-            raise TypeError("prompt must be a list of token ids, got a string (tokenize it first)")
-        prompt = as_prompts([prompt], self.vocab)[0]
-        max_tokens = as_int("max_tokens", max_tokens, lo=1)
-        sampler = admission.check_sampler(sampler, self.vocab)
-        logprobs = check_logprobs(logprobs)
-        stop_ids = as_stop_ids(stop_token_ids, self.vocab)
-        stops = admission.check_stops(stop, self.tokenizer is not None)
-        seed = as_seed("seed", seed)
-        seed = int(self._rng.integers(0, 2**63)) if seed is None else seed
-        admission.check_callback(on_event)
-        depth = admission.request_depth(depth, self.depth, self.mtp)
-        admission.check_context(len(prompt), max_tokens, self.context)
-        req = Request(next(self._ids), prompt, sampler, max_tokens, stop_ids, stops, seed, on_event,
-                      depth=depth, tokenizer=self.tokenizer, logprobs=logprobs)
+        req = self.rules.request(next(self._ids), prompt, self._rng, max_tokens=max_tokens, sampler=sampler,
+                            stop_token_ids=stop_token_ids, stop=stop, seed=seed, on_event=on_event,
+                            logprobs=logprobs, depth=depth)
         req.constraint = constrained.check_constraint(constraint)
-        req.need = admission.request_need(len(prompt), max_tokens, self.depth, self.mtp)
-        if (slots := admission.capacity(req.need)) > self.max_kv_slots:
-            raise ValueError(f"the request needs {slots} KV slots, more than max_kv_slots={self.max_kv_slots}")
         self._inbox.put(req)
         return req
 
@@ -206,12 +194,24 @@ class Engine:
 
     @property
     def live_streams(self) -> int:
+        """Streams still decoding (finished rows may stay in the batch a while: `scheduler.needs_rebuild`)."""
+        return sum(r.finish_reason is None for r in self._live)
+
+    @property
+    def batch_rows(self) -> int:
+        """Rows of the running batch, finished ones not dropped yet included."""
         return len(self._live)
 
     @property
     def kv_slots(self) -> int:
         """KV slots the running batch holds (rows times capacity)."""
         return 0 if self._batch is None else self._batch.B * self._batch.cap
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the running batch's attention KV buffers (`Batch.kv_bytes`)."""
+        batch = self._batch
+        return 0 if batch is None else batch.kv_bytes
 
     def step(self) -> bool:
         """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
@@ -260,43 +260,85 @@ class Engine:
         waiting = [Waiting(r.info(), len(r.prompt), None if r.prefill is None else len(r.prompt) - r.prefill_pos)
                    for r in self._waiting]
         plan = plan_prefill(waiting, held, bool(self._live), self.prefill_chunk, self.max_batch, self.max_kv_slots)
-        for work in plan.chunks:
-            r = self._waiting[0]  # the plan follows the queue
-            try:
-                if work.start:
-                    self._start_prefill(r)
-                gen, cyc = r.prefill
-                for _ in range(work.chunks):
-                    tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
-                    self.counters["prefill_tokens"] += tokens
-                    try:
-                        next(gen)
-                        r.prefill_pos += tokens
-                        if self._prefix_ok:  # hybrid trunks: a resumable state every so many tokens
-                            self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())
-                    except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
-                        self._waiting.popleft()
-                        self._finish_prefill(r, cyc, *done.value)
-                        break
-            except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
-                if self._waiting and self._waiting[0] is r:
-                    self._waiting.popleft()
-                self._fail(r, e)
+        works = list(plan.chunks)
+        while works:
+            n = 1
+            while works[0].group is not None and n < len(works) and works[n].group == works[0].group:
+                n += 1
+            work, reqs = works[0], [self._waiting[i] for i in range(n)]  # the plan follows the queue
+            del works[:n]
+            hits = [None if self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp) else (None, 0)
+                    for r in reqs] if n > 1 else [None]  # (None: a hit, prefilled alone)
+            together = [r for r, hit in zip(reqs, hits) if hit is not None and hit[0] is None]
+            for r, hit in zip(reqs, hits):  # alone: a request's next chunks, or a group's prefix-cache hits
+                if r not in together:
+                    self._prefill_alone(r, work.chunks if n == 1 else len(r.prompt), work.start, hit)
+            if together:
+                for r in together:
+                    self._waiting.remove(r)
+                self._prefill_group(together)
 
-    def _start_prefill(self, r: Request) -> None:
+    def _prefill_alone(self, r: Request, chunks: int, start: bool, hit: tuple[Any, int] | None) -> None:
+        """Forwards up to `chunks` chunks of r's prompt (starting its prefill first); r leaves the queue when done."""
+        try:
+            if start:
+                self._start_prefill(r, hit)
+            gen, cyc = r.prefill
+            for _ in range(chunks):
+                tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
+                self.counters["prefill_tokens"] += tokens
+                try:
+                    next(gen)
+                    r.prefill_pos += tokens
+                    self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
+                except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
+                    self._waiting.remove(r)
+                    self._finish_prefill(r, cyc, *done.value)
+                    return
+        except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
+            if r in self._waiting:
+                self._waiting.remove(r)
+            self._fail(r, e)
+
+    def _prefill_group(self, reqs: list[Request]) -> None:
+        """Prefills whole prompts together in one left-padded forward (`batching.prefill`)."""
+        try:
+            k = self._prefill_depth(len(reqs))
+            cyc, padded = prefill.group_cycle(self.rt, reqs, admission.capacity(max(r.need for r in reqs)), k,
+                                              self.mtp)
+            self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+            tokens, info = cyc.prefill(padded)
+            rows = prefill.group_rows(cyc, tokens, info)
+        except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
+            for r in reqs:
+                self._fail(r, e)
+            return
+        lps = cyc.prefill_logprobs
+        for i, r in enumerate(reqs):
+            self._finish_prefill(r, cyc, tokens[i:i + 1], None, (rows, i), None if lps is None else lps[i:i + 1])
+
+    def _prefill_depth(self, joining: int) -> int:
+        """The K of the batch that prefilled rows would join (their first drafts)."""
+        return self._depths.expected(len(self._live) + len(self._ready) + joining) if self._depths else self.depth
+
+    def _start_prefill(self, r: Request, hit: tuple[Any, int] | None = None) -> None:
         cap = admission.capacity(r.need)
-        k = self._depths.expected(len(self._live) + len(self._ready) + 1) if self._depths else self.depth
+        k = self._prefill_depth(1)
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
-        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok else 0
+        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok and hit is None else 0
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
-    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any) -> None:
+    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any,
+                        grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
+        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
         r.prefill, x0 = None, int(np.array(tokens)[0, 0])
-        if self._prefix_ok:  # the prompt's positions and the pair of its last one with x0
-            self.prefix.store(r.prompt + [x0], cyc.caches())
-        r.row = Rows.prefilled(cyc, tokens, info)
+        if grouped is None:
+            self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
+            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
+        else:  # (its prompt is stored with its reply when it finishes)
+            r.row, r.row_index = grouped
         # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
         # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
@@ -304,7 +346,7 @@ class Engine:
         constrained.finish_prefill(r, x0, self.mtp)
         r.cycles = 0
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
-                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, cyc.prefill_logprobs))
+                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
         if r.finish_reason is not None:
             return
         r.x0_committed = self.mtp
@@ -325,10 +367,8 @@ class Engine:
             live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
         depth_for = self._depths if self._depths else (lambda rows: self.depth)
         plan = plan_batch(live, ready, True, self.mtp, depth_for)
-        if self._prefix_ok and self._batch is not None:  # finished replies, for the next turn's prompt
-            for i, r in enumerate(self._live):
-                if r.finish_reason in ("stop", "length"):
-                    self.prefix.store(r.prompt + r.tokens, self._batch.caches(), i)
+        if self._batch is not None:  # finished replies, for the next turn's prompt
+            self.prefix.store_finished(self._live, self._batch.caches())
         new = [self._ready[i] for i in plan.join]
         reqs = [self._live[i] for i in plan.keep] + new
         self._ready = []
@@ -342,9 +382,9 @@ class Engine:
             return
         shape = plan.shape
         parts: list[tuple[Rows, mx.array | None]] = [(old, mx.array(plan.keep, dtype=mx.int32))] if plan.keep else []
-        parts += [(r.row, None) for r in new]
+        parts += prefill.row_parts(new)
         for r in new:
-            r.row = None
+            r.row = r.row_index = None
         K = self.cycle_depth = shape.depth
         rows = merge_rows(parts, shape.capacity, shape.kind, self.mtp, self.vocab, K)
         batch = self._batches.get(shape)
@@ -481,15 +521,8 @@ class Engine:
             self._fail(item, RuntimeError(why))
 
     def metrics(self) -> dict[str, Any]:
-        """Counters and MTP statistics (thread-safe enough to read from handlers)."""
-        s = self.stats
-        return {
-            **self.counters, "live_streams": len(self._live), "waiting": len(self._waiting),
-            "kv_slots": self.kv_slots, "max_batch": self.max_batch, "max_kv_slots": self.max_kv_slots,
-            "depth": self.depth if self.mtp else 0, "cycles": s.cycles, "acceptance": s.acceptance_rate,
-            "acceptance_per_depth": s.acceptance_per_depth, "mean_accepted_length": s.mean_accepted_length,
-            **self.prefix.metrics(),
-        }
+        """Counters and MTP statistics (`batching.metrics.snapshot`; safe to read from handler threads)."""
+        return snapshot(self, waiting=len(self._waiting), depths=None if self._depths is None else self._depths.depths)
 
 
 __all__ = ["Engine"]

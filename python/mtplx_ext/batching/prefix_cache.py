@@ -169,10 +169,32 @@ class PrefixCache:
     # -- lookup and load -----------------------------------------------------
 
     def lookup(self, prompt: Sequence[int], cache_lists: Sequence[Sequence[Any]]) -> Plan | None:
-        """The longest stored prefix of `prompt` these caches can resume from, or None."""
+        """The longest stored prefix of `prompt` these caches can resume from, or None (counted, and the
+        prefix's blocks marked recently used)."""
         if self.max_bytes <= 0:
             return None
         self.stats["prefix_lookups"] += 1
+        best = self._find(prompt, cache_lists)
+        if best is None:
+            return None
+        self.ram.touch([*([("s", best.state.key)] if best.state is not None else []),
+                        *(("n", n.key) for n in reversed(best.nodes))])
+        self.stats["prefix_hits"] += 1
+        self.stats["prefix_tokens_reused"] += best.m
+        return best
+
+    def peek(self, prompt: Sequence[int], runtime: Any, depth: int, mtp: bool) -> bool:
+        """Whether a one-row prefill of `prompt` at `depth` would resume from the cache (not counted): the
+        engine prefills such a prompt alone rather than in a group."""
+        if self.max_bytes <= 0:
+            return False
+        # The caches a one-row prefill makes (`batch.prefill_cycle`): only their layout matters here.
+        caches = [runtime.make_cache([0], ragged=True, capacity=1)]
+        if mtp:
+            caches.append(runtime.make_head_cache([0], ragged=True, capacity=1, depth=max(depth, 1)))
+        return self._find(prompt, caches) is not None
+
+    def _find(self, prompt: Sequence[int], cache_lists: Sequence[Sequence[Any]]) -> Plan | None:
         p = np.asarray(prompt, dtype=np.int64)
         T, B = len(p), self.block
         need_state = bool(split_layers(cache_lists)[2])
@@ -201,13 +223,7 @@ class PrefixCache:
                 if m > (best.m if best else 0):
                     best = Plan([*path, child], m, None)
         self._settle()
-        if best is None or best.m < self.min_tokens:
-            return None
-        self.ram.touch([*([("s", best.state.key)] if best.state is not None else []),
-                        *(("n", n.key) for n in reversed(best.nodes))])
-        self.stats["prefix_hits"] += 1
-        self.stats["prefix_tokens_reused"] += best.m
-        return best
+        return None if best is None or best.m < self.min_tokens else best
 
     @staticmethod
     def load(plan: Plan, cache_lists: Sequence[Sequence[Any]], capacity: int) -> None:
@@ -290,6 +306,13 @@ class PrefixCache:
         self.ram.touch([*(("s", key),) * bool(rec), *(("n", node.key) for node in reversed(path))])
         self._settle()
 
+    def store_finished(self, reqs: Sequence[Any], cache_lists: Sequence[Sequence[Any]]) -> None:
+        """Stores the prompt and reply of each request of a batch (row i: `reqs[i]`) that finished by a stop or
+        its length (not a cancelled or failed one: its reply is not what a client resends)."""
+        for i, r in enumerate(reqs):
+            if r.finish_reason in ("stop", "length"):
+                self.store(list(r.prompt) + list(r.tokens), cache_lists, i)
+
     def checkpoint(self, prompt: Sequence[int], done: int, cache_lists: Sequence[Sequence[Any]]) -> None:
         """Between prefill chunks (`done` prompt tokens in the caches): with recurrent layers, at each
         multiple of `state_interval`, stores the prompt so far and the state there (a ladder's rung)."""
@@ -320,13 +343,14 @@ class PrefixCache:
             self.disk.close()
 
     def metrics(self) -> dict[str, Any]:
-        """Counters, blocks, states, bytes per tier and the hit rate (hits / lookups)."""
+        """Counters, blocks, states, bytes per tier and the hit rate (hits / lookups). A key naming a tier
+        (`prefix_bytes_disk`, `prefix_disk_hits`) is that tier's; the others are the RAM tier's."""
         s = self.stats
         out = {**s, "prefix_evictions": self.ram.evictions, "prefix_entries": self.ram.counts["n"],
-               "prefix_states": self.ram.counts["s"], "prefix_bytes": self.ram.bytes, "prefix_bytes_ram": self.ram.bytes,
+               "prefix_states": self.ram.counts["s"], "prefix_bytes": self.ram.bytes,
                "prefix_hit_rate": s["prefix_hits"] / s["prefix_lookups"] if s["prefix_lookups"] else 0.0,
                "prefix_disk_hits": 0, "prefix_disk_writes": 0, "prefix_disk_skipped": 0, "prefix_disk_evictions": 0,
-               "prefix_bytes_disk": 0, "prefix_files_disk": 0}
+               "prefix_bytes_disk": 0, "prefix_entries_disk": 0}
         if self.disk is not None:
             out.update(self.disk.metrics())
         return out

@@ -288,7 +288,7 @@ class DiskTier:
 
     def metrics(self) -> dict[str, Any]:
         with self.lock:
-            return {**self.stats, "prefix_bytes_disk": self.bytes, "prefix_files_disk": len(self.index)}
+            return {**self.stats, "prefix_bytes_disk": self.bytes, "prefix_entries_disk": len(self.index)}
 
 
 def check_dir(directory: Any) -> Path:

@@ -106,6 +106,7 @@ class Request:
         self.prefill_from = 0  # prompt positions loaded from the prefix cache
         self.prefill_pos = 0  # prompt positions in its caches while prefilling
         self.row: Any = None  # its device rows once prefilled, until merged
+        self.row_index: int | None = None  # its row in `row` when prefilled in a group (None: all of it)
         self.step_off = 0  # cycle the stream's own step count starts from
         # MTP: x0 was committed at the prefill; the first bundle repeats it.
         self.x0_committed = False

@@ -77,11 +77,16 @@ class BatchShape:
 @dataclass(frozen=True)
 class PrefillChunk:
     """One request's prefill work of a step: `start` it first (caches, prefix lookup), then forward
-    `chunks` chunks of the prompt (the last ones may finish it)."""
+    `chunks` chunks of the prompt (the last ones may finish it).
+
+    `group`: consecutive entries of one group are whole prompts that start and finish together in one
+    left-padded forward (requests arriving together cost one prefill, as a fixed batch's do); None: alone.
+    """
 
     id: int
     start: bool
     chunks: int
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,11 +125,23 @@ def kind_of(rows: Sequence[RowInfo]) -> str:
     return max((r.kind for r in rows), key=KINDS.index, default="greedy")
 
 
+def groupable(info: RowInfo) -> str | None:
+    """The prefill group class of a request starting with its whole prompt in one chunk (None: alone).
+
+    Greedy rows prefill under an argmax policy, the others under a sampled one; a constrained row's first
+    token is masked by its own grammar, so it goes alone.
+    """
+    if info.constrained:
+        return None
+    return "greedy" if info.kind == "greedy" else "sampled"
+
+
 def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: bool, chunk: int, max_batch: int,
                  max_kv_slots: int) -> PrefillPlan:
-    """Prefill in arrival order, each request alone: all that fit, or while streams decode at most `chunk`
-    prompt tokens a step (a request's first chunk waits for a step with budget for it; short prompts go whole,
-    so requests arriving together join together). Nothing overtakes a request that does not fit yet.
+    """Prefill in arrival order: all that fit, or while streams decode at most `chunk` prompt tokens a step (a
+    request's first chunk waits for a step with budget for it; short prompts go whole, so requests arriving
+    together join together). Nothing overtakes a request that does not fit yet. Consecutive requests that
+    start with their whole prompt in one chunk, of one `groupable` class, form a group (one forward).
 
     Args:
         waiting: the queue, oldest first.
@@ -135,6 +152,7 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
     budget = chunk if decoding else None
     needs = [r.need for r in held]
     out: list[PrefillChunk] = []
+    last_cls: str | None = None
     for w in waiting:
         remaining = w.remaining
         start = remaining is None
@@ -151,7 +169,14 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
             n += 1
             if budget is not None:
                 budget -= tokens
-        out.append(PrefillChunk(w.info.id, start, n))
+        cls = groupable(w.info) if start and remaining == 0 and n == 1 else None
+        group = None
+        if cls is not None:
+            prev = out[-1] if out else None
+            same = prev is not None and prev.group is not None and last_cls == cls
+            group = prev.group if same else len(out)
+        last_cls = cls
+        out.append(PrefillChunk(w.info.id, start, n, group))
         if remaining > 0:
             break  # the budget ran out inside it: the next step goes on with it
         needs.append(w.info.need)
@@ -161,8 +186,18 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
 
 
 def needs_rebuild(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool) -> bool:
-    """Whether the running batch changes: a row ended, a prefilled request waits to join, or K should move."""
-    return rechoose or any(r.finished for r in live) or any(not r.finished for r in ready)
+    """Whether the running batch changes: a prefilled request waits to join, K should move, or at most half of
+    the rows still decode.
+
+    Finished rows stay in the batch until then (their share of a forward is wasted, their tokens ignored):
+    dropping each as it ends would rebuild the batch at every finish and run as many batch shapes, each traced
+    once; halving bounds both, as a fixed batch's compaction does. A row's tokens never depend on its neighbours,
+    so when rows leave changes no token.
+    """
+    if rechoose or any(not r.finished for r in ready):
+        return True
+    done = sum(r.finished for r in live)
+    return done > 0 and 2 * done >= len(live)
 
 
 def plan_batch(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool, mtp: bool,
@@ -189,5 +224,5 @@ def plan_batch(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool
     return BatchPlan(keep, join, shape)
 
 
-__all__ = ["KINDS", "BatchPlan", "BatchShape", "PrefillChunk", "PrefillPlan", "RowInfo", "Waiting", "kind_of",
-           "needs_rebuild", "plan_batch", "plan_prefill"]
+__all__ = ["KINDS", "BatchPlan", "BatchShape", "PrefillChunk", "PrefillPlan", "RowInfo", "Waiting", "groupable",
+           "kind_of", "needs_rebuild", "plan_batch", "plan_prefill"]

@@ -58,6 +58,9 @@ def add_parser(sub: Any) -> None:
                         "(default %(default)g)")
     s.add_argument("--max-body-mb", type=float, default=limits.DEFAULT_MAX_BODY_BYTES / (1 << 20),
                    help="largest request body in MiB; larger ones get a 413 (default %(default)g)")
+    s.add_argument("--reasoning-markers", default="auto", metavar="auto|none|START,END",
+                   help="the model's reasoning markers, split off the reply as reasoning_content / thinking blocks: "
+                        "found from the tokenizer and chat template (auto), none, or named (default %(default)s)")
     parallel.add_flags(s)
     s.set_defaults(func=run)
 
@@ -75,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--shutdown-grace must be in [0, 3600] seconds, got {args.shutdown_grace}")
     if not 0 < args.max_body_mb <= 1024:
         raise CLIError(f"--max-body-mb must be in (0, 1024], got {args.max_body_mb}")
+    if args.reasoning_markers not in ("auto", "none") and not all(args.reasoning_markers.partition(",")[::2]):
+        raise CLIError(f"--reasoning-markers must be auto, none or START,END, got {args.reasoning_markers!r}")
     common.apply_recalibrate(args)
     dist = parallel.start(args)  # rank 0 answers HTTP; the others step its engine in lockstep
     sock = None
@@ -95,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
               api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,
               prefix_cache_bytes=args.prefix_cache_mb << 20, prefix_cache_dir=args.prefix_cache_dir,
               prefix_cache_disk_bytes=args.prefix_cache_disk_bytes, sock=sock, shutdown_grace=args.shutdown_grace,
-              max_body_bytes=int(args.max_body_mb * (1 << 20)),
+              max_body_bytes=int(args.max_body_mb * (1 << 20)), reasoning_markers=args.reasoning_markers,
               group=None if dist is None else dist.group, watchdog=None if dist is None else dist.watchdog)
     except ValueError as e:
         raise CLIError(str(e)) from e

@@ -22,17 +22,20 @@ bitmask (W = ceil(V / 32), bit t of word t // 32 allows token t); the
 (`apply_bitmask`). Rows without a constraint get all-ones words: their
 logits pass through unchanged.
 
-`Constraint` is the protocol; `GrammarConstraint` adapts xgrammar's
-matcher (chosen for its mask time on large vocabularies, see
-bench/RESULTS.md); `grammar_vocab` builds the per-tokenizer compiler once.
+`Constraint` is the protocol; `GrammarConstraint` adapts llguidance's
+matcher (chosen for its install, no torch or triton, with mask times far
+below a decode step: bench/RESULTS.md); `GrammarVocab` builds the
+per-tokenizer vocabulary once. llguidance is imported only when a
+constraint is built, so the core install does not need it.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
-
-import time
 
 import mlx.core as mx
 import numpy as np
@@ -233,53 +236,143 @@ class RowConstraints:
         return mx.array(self._buf), (toks if forced is not None else None), forced
 
 
+#: JSON layout of every JSON grammar: no free whitespace (a model could pad forever), OpenAI's separators;
+#: `oneOf` read as `anyOf` (what a generator can enforce; the schemas clients send use it for alternatives).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
+
+
+def grammar_engine() -> str | None:
+    """The installed grammar engine's version (llguidance), or None when it cannot be imported.
+
+    Checked per use rather than once, so a server can say at any time
+    whether structured outputs are available (the `serve` extra brings it).
+    """
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    return str(getattr(llguidance, "__version__", "unknown"))
+
+
+#: Keywords whose value is a map of names to subschemas (the names are not keywords).
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+#: Keywords whose value is data, not a schema.
+_DATA = ("const", "enum", "default", "examples", "required")
+
+
+def strict_schema(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema that does not set it.
+
+    OpenAI's `strict: true` semantics (only the listed properties); the JSON
+    Schema default, which the grammar engine follows, allows any others.
+    """
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else strict_schema(v)
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 class GrammarConstraint:
-    """An xgrammar matcher as a `Constraint`.
+    """An llguidance matcher as a `Constraint`.
+
+    Stop tokens are handled here, not by the matcher: llguidance accepts an
+    end-of-text token once the grammar is complete but keeps no history of
+    it, so `is_terminated` and `rollback` count it themselves. Tokens are
+    consumed with `try_consume_tokens`, which refuses a token without
+    putting the matcher into its (permanent) error state.
 
     Args:
-        compiled: an `xgrammar.CompiledGrammar` (from `GrammarVocab`).
-        encode: text -> token ids (the tokenizer's), for `forced_tokens`.
-        matcher: the `xgrammar.GrammarMatcher` to go on from (`fork`); None: a new one at the grammar's start.
+        tokenizer: an `llguidance.LLTokenizer` (`GrammarVocab.tokenizer`).
+        grammar: an llguidance grammar (`LLMatcher.grammar_from_*`).
+        matcher: the `llguidance.LLMatcher` to go on from (`fork`); None: a new one at the grammar's start.
+        ended: whether that matcher's stream already consumed a stop token.
+
+    Raises:
+        ValueError: the grammar does not compile (the engine's message).
     """
 
-    def __init__(self, compiled: Any, encode: Any = None, *, matcher: Any = None):
-        import xgrammar as xgr
+    def __init__(self, tokenizer: Any, grammar: str, *, matcher: Any = None, ended: bool = False):
+        import llguidance
 
-        self._compiled = compiled
-        self._m = matcher if matcher is not None else xgr.GrammarMatcher(compiled)
-        self._encode = encode
+        self._tokenizer, self._grammar = tokenizer, grammar
+        if matcher is None:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(matcher.get_error())
+        self._m = matcher
+        self._stops = frozenset(int(t) for t in tokenizer.eos_tokens)
+        self._ended = bool(ended)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The tokens that end the constrained stream (allowed once the grammar is complete)."""
+        return sorted(self._stops)
 
     def fork(self) -> "GrammarConstraint":
-        return GrammarConstraint(self._compiled, self._encode, matcher=self._m.fork())
+        return GrammarConstraint(self._tokenizer, self._grammar, matcher=self._m.deep_copy(), ended=self._ended)
 
     def forced_tokens(self) -> list[int]:
-        """The tokenizer's tokens of the text the grammar forces next ([] without one or without `encode`)."""
-        if self._encode is None or self._m.is_terminated():
+        """The tokens of the text the grammar forces next ([] where nothing is forced)."""
+        if self._ended or self._m.is_stopped():
             return []
-        text = self._m.find_jump_forward_string()
-        return list(self._encode(text)) if text else []
+        return [int(t) for t in self._m.compute_ff_tokens()]
 
     def advance(self, tokens: Sequence[int]) -> int:
         n = 0
         for t in tokens:
-            if self._m.is_terminated() or not self._m.accept_token(int(t)):
+            t = int(t)
+            if self._ended:
+                break
+            if t in self._stops:
+                if not self._m.is_accepting():
+                    break
+                self._ended = True
+            elif self._m.try_consume_tokens([t]) != 1:
                 break
             n += 1
         return n
 
     def rollback(self, n: int) -> None:
+        n = int(n)
+        if n > 0 and self._ended:
+            self._ended, n = False, n - 1
         if n > 0:
-            self._m.rollback(int(n))
+            self._m.rollback(n)
 
     def fill_mask(self, out: np.ndarray) -> None:
-        self._m.fill_next_token_bitmask(out.reshape(1, -1))
+        if self._ended:
+            out[:] = 0
+            return
+        import llguidance.numpy as lnp
+
+        lnp.fill_next_token_bitmask(self._m, out.reshape(1, -1))
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._ended
+
+
+def tokenizer_json(tokenizer: Any) -> str:
+    """The `tokenizers` JSON of a Hugging Face tokenizer, mlx-lm's wrapper of one or a `tokenizers.Tokenizer`."""
+    import copy
+
+    hf = mlx_lm_internals.hf_tokenizer(tokenizer)
+    backend = copy.copy(getattr(hf, "backend_tokenizer", hf))
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 class GrammarVocab:
-    """One tokenizer's grammar compiler (built once per tokenizer, reused by every request).
+    """One tokenizer's grammar vocabulary (built once per tokenizer, reused by every request).
 
     Args:
         tokenizer: a Hugging Face tokenizer, mlx-lm's wrapper of one or a
@@ -288,46 +381,97 @@ class GrammarVocab:
             extra ids are never allowed).
         stop_token_ids: the tokens that end a constrained answer (the
             tokenizer's EOS by default).
+
+    Raises:
+        ImportError: llguidance is not installed (the `serve` extra).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int] | None = None):
-        import xgrammar as xgr
+        import llguidance
 
-        hf = mlx_lm_internals.hf_tokenizer(tokenizer)
-        if not hasattr(hf, "backend_tokenizer"):  # a bare `tokenizers.Tokenizer` (a runtime's)
-            from transformers import PreTrainedTokenizerFast
-
-            hf = PreTrainedTokenizerFast(tokenizer_object=hf)
-        stops = None if stop_token_ids is None else [int(t) for t in stop_token_ids]
-        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=int(vocab_size), stop_token_ids=stops)
-        self.stop_token_ids = list(self.info.stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info)
+        stops = [int(t) for t in stop_token_ids] if stop_token_ids else None
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json(tokenizer), n_vocab=int(vocab_size), eos_token=stops)
+        self.stop_token_ids = [int(t) for t in self.tokenizer.eos_tokens]
         self.vocab_size = int(vocab_size)
-        self.encode = lambda text: hf.encode(text, add_special_tokens=False)
+        # Grammars at their start, by grammar text: a client sends the same schema or tools again and again
+        # (an agent's every turn), and building a matcher costs far more than forking one.
+        self._starts: collections.OrderedDict[str, GrammarConstraint] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    #: Grammars kept at their start (least recently used dropped first).
+    CACHED = 64
+
+    def grammar(self, grammar: str) -> GrammarConstraint:
+        """A constraint to an llguidance grammar at its start (ValueError naming what is wrong with it)."""
+        with self._lock:
+            first = self._starts.get(grammar)
+            if first is not None:
+                self._starts.move_to_end(grammar)
+                return first.fork()
+        first = GrammarConstraint(self.tokenizer, grammar)  # ValueError with the engine's message
+        with self._lock:
+            self._starts[grammar] = first
+            while len(self._starts) > self.CACHED:
+                self._starts.popitem(last=False)
+        return first.fork()
 
     def json_schema(self, schema: dict | str, strict: bool = True) -> GrammarConstraint:
-        """A constraint to JSON that validates against `schema` (ValueError for a schema it cannot compile)."""
+        """A constraint to JSON that validates against `schema` (ValueError for a schema it cannot compile).
+
+        `strict`: objects allow only the properties they list (`strict_schema`)
+        and a keyword the engine does not implement (`uniqueItems`, `not`,
+        ...) is a ValueError naming it; not strict, such keywords are ignored
+        (best effort, as OpenAI's non-strict mode).
+        """
         import json
 
-        text = schema if isinstance(schema, str) else json.dumps(schema)
+        import llguidance
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"unusable JSON schema: {e}") from None
+        if strict:
+            schema = strict_schema(schema)
         try:
-            compiled = self.compiler.compile_json_schema(text, strict_mode=bool(strict), any_whitespace=False)
-        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError for bad schemas
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={**JSON_LAYOUT, "lenient": not strict})
+            return self.grammar(grammar)
+        except ValueError as e:
             raise ValueError(f"unusable JSON schema: {e}") from None
-        return GrammarConstraint(compiled, encode=self.encode)
 
     def json_object(self) -> GrammarConstraint:
         """A constraint to any JSON object."""
         return self.json_schema({"type": "object"}, strict=False)
 
-    def ebnf(self, grammar: str) -> GrammarConstraint:
-        """A constraint to an EBNF grammar (xgrammar's GBNF dialect, root rule `root`)."""
+    def wrapped_json(self, prefix: str, schema: dict, suffix: str, strict: bool = True, lenient: bool = False
+                     ) -> GrammarConstraint:
+        """A constraint to `prefix`, JSON valid against `schema`, then `suffix` (a tool call in its markers).
+
+        `strict` as in `json_schema`; `lenient`: keywords the engine does not
+        implement are ignored rather than refused.
+        """
+        import json
+
+        import llguidance
+
+        body = {**(strict_schema(schema) if strict else schema), "x-guidance": {**JSON_LAYOUT, "lenient": lenient}}
+        lark = (f"start: {json.dumps(prefix, ensure_ascii=False)} call {json.dumps(suffix, ensure_ascii=False)}\n"
+                f"call: %json {json.dumps(body)}")
         try:
-            compiled = self.compiler.compile_grammar(grammar)
-        except Exception as e:  # noqa: BLE001
+            return self.grammar(llguidance.LLMatcher.grammar_from_lark(lark))
+        except ValueError as e:
+            raise ValueError(f"unusable JSON schema: {e}") from None
+
+    def ebnf(self, grammar: str) -> GrammarConstraint:
+        """A constraint to a GBNF grammar (llama.cpp's dialect, root rule `root`) or a Lark one."""
+        import llguidance
+
+        try:
+            return self.grammar(llguidance.grammar_from("gbnf", grammar))
+        except ValueError as e:
             raise ValueError(f"unusable grammar: {e}") from None
-        return GrammarConstraint(compiled, encode=self.encode)
 
 
-__all__ = ["Constraint", "GrammarConstraint", "GrammarVocab", "RowConstraints", "apply_bitmask", "forced_drafts",
-           "mask_words"]
+__all__ = ["JSON_LAYOUT", "Constraint", "GrammarConstraint", "GrammarVocab", "RowConstraints", "apply_bitmask",
+           "forced_drafts", "grammar_engine", "mask_words", "strict_schema", "tokenizer_json"]

@@ -24,6 +24,10 @@ class DraftStats:
         accepted: those drafts that were accepted (committed).
         reached: per draft position i = 1..K, how often draft i was checked.
         accepted_at: per draft position, how often draft i was accepted.
+        proposed_at: per draft position, how often a stream's cycle drafted
+            draft i for it to accept (checked or not: a draft after a
+            rejected one, or after the stream's last token, was still
+            proposed), so accepted_at <= reached <= proposed_at position by position.
     """
 
     depth: int = 0
@@ -32,15 +36,20 @@ class DraftStats:
     accepted: int = 0
     reached: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    proposed_at: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.reached:
             self.reached = [0] * self.depth
         if not self.accepted_at:
             self.accepted_at = [0] * self.depth
+        if not self.proposed_at:
+            self.proposed_at = [0] * self.depth
 
-    def record(self, checked: int, accepted: int) -> None:
-        """One stream's cycle: drafts 1..checked were checked, drafts 1..accepted accepted."""
+    def record(self, checked: int, accepted: int, proposed: int = 0) -> None:
+        """One stream's cycle: drafts 1..proposed were drafted for it, 1..checked checked, 1..accepted accepted."""
+        for j in range(min(proposed, len(self.proposed_at))):
+            self.proposed_at[j] += 1
         if checked <= 0:
             return
         self.stream_cycles += 1

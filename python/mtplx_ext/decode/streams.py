@@ -105,9 +105,10 @@ class Streams:
                 # The stream goes on after token j: draft j + 1 was checked.
                 checked += 1
                 accepted += j < n
-        self.result.record(checked, accepted)
+        proposed = int(self.row_depth[i]) if n is not None else 0
+        self.result.record(checked, accepted, proposed)
         if self.row_stats is not None:
-            self.row_stats[i].record(checked, accepted)
+            self.row_stats[i].record(checked, accepted, proposed)
         return new, reason
 
     def decide_plain(self, b: np.ndarray) -> Commits:

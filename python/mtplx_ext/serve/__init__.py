@@ -1,13 +1,17 @@
 """OpenAI- and Anthropic-compatible serving: the HTTP app and the server around it.
 
-`app` holds the routes and auth, `openai` the OpenAI handlers, `anthropic`
+`app` holds the routes and auth, `openai` the OpenAI handlers, `responses`
+the Responses API (`responses_input`, `responses_output`, `responses_store`:
+its request, its output items and events, its stored responses), `anthropic`
 the Messages API, `tools` tool calling (checks, template messages, parsing
-the reply), `params` and `fields` the request-field checks, `body` the
+the reply), `reasoning` reasoning models (markers, the reasoning/answer
+split, template fields and budgets), `params` and `fields` the request-field checks, `body` the
 body's size limit and the JSON values nothing downstream can use, `errors`
 the 400s, `disconnect` the hand-over of engine events and the watch for
-clients that went away; `server` builds the API over a new engine
-(`build_api`), starts and warms it up (`started`, `warmup`), binds the
-port and runs uvicorn with a bounded shutdown (`serve`). `build_api` and
+clients that went away, `metrics` the Prometheus registry of `/metrics`;
+`server` builds the API over a new engine (`build_api`), starts and warms
+it up (`started`, `warmup`), binds the port and runs uvicorn with a bounded
+shutdown (`serve`). `build_api` and
 `started` also serve `create_app(api)` elsewhere: another ASGI server or
 client in the same process.
 

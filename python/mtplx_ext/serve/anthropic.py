@@ -2,10 +2,12 @@
 
 A Messages body is translated into the chat route's terms (OpenAI-shaped
 messages and tools through the same chat template, the same engine
-arguments), and the reply into Anthropic's content blocks: `text` and
-`tool_use` (cut from the text by the same `tools.ToolStream` as the chat
-route); `tool_choice` `any` or `tool` forces a call through the chat route's
-call grammar (`structured.tool_call_constraint`). Streams send Anthropic's
+arguments), and the reply into Anthropic's content blocks: `thinking` (the
+model's reasoning, `serve.reasoning`; `thinking` requests reach the template
+and the budget), `text` and `tool_use` (cut from the text by the same
+`tools.ToolStream` as the chat route); `tool_choice` `any` or `tool` forces
+a call through the chat route's call grammar
+(`structured.tool_call_constraint`). Streams send Anthropic's
 events: `message_start`, `ping`, `content_block_start` / `_delta` / `_stop`,
 `message_delta`, `message_stop`
 (an `error` event if the request fails). Client mistakes get Anthropic's
@@ -15,6 +17,7 @@ error JSON with status 400, before anything reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 import uuid
@@ -25,13 +28,13 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Event, Request
-from mtplx_ext.serve import disconnect, params, structured, tools
+from mtplx_ext.serve import disconnect, params, reasoning, structured, tools
 from mtplx_ext.serve.errors import BadRequest, anthropic_error
 from mtplx_ext.serve.openai import Reply, engine_args, mtp_stats
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 #: Messages fields that would change the reply and that this server does not implement.
-UNSUPPORTED = ("thinking", "container", "mcp_servers", "context_management", "output_config")
+UNSUPPORTED = ("container", "mcp_servers", "context_management", "output_config")
 
 
 def _text_blocks(v: Any, where: str) -> str:
@@ -62,12 +65,16 @@ def _messages(body: dict) -> list[dict]:
             continue
         if not isinstance(c, list):
             raise BadRequest(f"{where}.content must be a string or a list of content blocks", "messages")
-        text, calls, results = [], [], 0
+        text, calls, results, thought = [], [], 0, []
         for j, b in enumerate(c):
             kind = b.get("type") if isinstance(b, dict) else None
             bw = f"{where}.content[{j}]"
             if kind == "text" and isinstance(b.get("text"), str):
                 text.append(b["text"])
+            elif kind == "thinking" and m["role"] == "assistant" and isinstance(b.get("thinking"), str):
+                thought.append(b["thinking"])  # the template's `reasoning_content` (its signature is not checked)
+            elif kind == "redacted_thinking" and m["role"] == "assistant":
+                continue  # encrypted by another server: nothing a template can show
             elif kind == "tool_use" and m["role"] == "assistant":
                 if not isinstance(b.get("name"), str) or not isinstance(b.get("input", {}), dict):
                     raise BadRequest(f"{bw}: a tool_use block needs a string name and an object input", "messages")
@@ -89,6 +96,8 @@ def _messages(body: dict) -> list[dict]:
             msg: dict[str, Any] = {"role": m["role"], "content": "".join(text)}
             if calls:
                 msg["tool_calls"] = calls
+            if thought:
+                msg["reasoning_content"] = "".join(thought)
             out.append(msg)
     return tools.chat_messages({"messages": out})
 
@@ -138,13 +147,20 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
             raise BadRequest(f"{name} is not supported", name)
     if body.get("max_tokens") is None:
         raise BadRequest("max_tokens is required", "max_tokens")
+    max_tokens = params.integer(body, "max_tokens")
+    thinking = reasoning.anthropic_options(body, max_tokens)
+    markers = getattr(api, "reasoning", None)  # an API stand-in may have none
+    reasoning.check_model(markers, thinking)
     tool_list, choice = _tools(body)
     reply = Reply("chat")
     if choice != "none":
         tc = body.get("tool_choice") or {}
         reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
                           parallel=not tc.get("disable_parallel_tool_use", False), choice=choice)
-    prompt = params.template_prompt(_messages(body), api.tokenizer, api.chat_tokenizer, reply.tool_list)
+    messages = _messages(body)
+    text = params.template_text(messages, api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
+    reply.reason(markers, thinking, text, messages)
+    prompt = api.tokenizer.encode(text).ids
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise BadRequest("stop_sequences must be a list of non-empty strings", "stop_sequences")
@@ -152,7 +168,9 @@ def parse_messages(api: Any, body: dict) -> tuple[list[int], dict[str, Any], Rep
     args = engine_args(api, body, params.submit_args(sampling, "chat", api.eos_ids))
     args["stop"] = stops
     # tool_choice "any" / "tool": the reply is a call, forced by its grammar as on the OpenAI route.
-    args["constraint"] = structured.tool_call_constraint(reply.tool_list, reply.tool_choice, api)
+    # With thinking, the call grammar starts where the reasoning ends (Anthropic refuses forced calls then).
+    call = structured.tool_call_constraint(reply.tool_list, reply.tool_choice, api)
+    args = structured.submit_args(args, reply.constraint(api, call), call)
     return prompt, args, reply
 
 
@@ -174,9 +192,21 @@ def _usage(r: Request) -> dict[str, int]:
     return {"input_tokens": len(r.prompt), "output_tokens": len(r.tokens)}
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's `signature`: an opaque digest of its text (Anthropic's are encrypted proofs).
+
+    Clients keep and send back thinking blocks with a non-empty signature;
+    the server reads the thinking text back into the template and ignores the
+    signature, so it proves nothing and only has to be stable.
+    """
+    return "sha256:" + hashlib.sha256(thinking.encode()).hexdigest()
+
+
 def _block(kind: str, p: Any) -> dict:
     if kind == "text":
         return {"type": "text", "text": p}
+    if kind == "reasoning":
+        return {"type": "thinking", "thinking": p, "signature": signature(p)}
     return {"type": "tool_use", "id": "toolu_" + p["id"].removeprefix("call_"), "name": p["function"]["name"],
             "input": json.loads(p["function"]["arguments"] or "{}")}
 
@@ -205,7 +235,12 @@ async def messages(api: Any, http: HTTPRequest) -> Response:
         return anthropic_error(500, f"the request failed: {ev.error}")
     pieces = reply.pieces(r.text) + reply.finish()
     content: list[dict] = []
+    thought = "".join(p for k, p in pieces if k == "reasoning")
+    if thought:  # the reasoning comes first, as one block
+        content.append(_block("reasoning", thought))
     for k, p in pieces:  # adjacent text joins into one block
+        if k == "reasoning":
+            continue
         if k == "text" and content and content[-1]["type"] == "text":
             content[-1]["text"] += p
         elif k == "call" or p:
@@ -226,11 +261,31 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, mid: str, reply: Rep
                ) -> AsyncIterator[str]:
     index = -1
     open_text = False  # a text block is open at `index`
+    thought: list[str] = []  # the open thinking block's text (at `index`); empty when none is open
+
+    def close_thinking() -> list[str]:
+        nonlocal thought
+        if not thought:
+            return []
+        sig = signature("".join(thought))
+        thought = []
+        return [_event("content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": sig}}),
+                _event("content_block_stop", {"index": index})]
 
     def emit(pieces: list[tuple[str, Any]]) -> list[str]:
         nonlocal index, open_text
         out = []
         for k, p in pieces:
+            if k == "reasoning":
+                if not thought:
+                    index += 1
+                    out.append(_event("content_block_start", {"index": index, "content_block": {
+                        "type": "thinking", "thinking": "", "signature": ""}}))
+                thought.append(p)
+                out.append(_event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta",
+                                                                                     "thinking": p}}))
+                continue
+            out += close_thinking()
             if k == "text":
                 if not p or (not open_text and not p.strip() and reply.fmt is not None):
                     continue  # whitespace between tool calls opens no block
@@ -262,7 +317,7 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, mid: str, reply: Rep
                 for s in emit(reply.pieces(ev.text)):
                     yield s
             elif ev.kind == "done":
-                for s in emit(reply.finish()):
+                for s in emit(reply.finish()) + close_thinking():
                     yield s
                 if open_text:
                     yield _event("content_block_stop", {"index": index})
@@ -286,7 +341,9 @@ async def count_tokens(api: Any, http: HTTPRequest) -> Response:
         body = await api.body(http)
         tool_list, choice = _tools(body)
         msgs = _messages(body)
-        prompt = params.template_prompt(msgs, api.tokenizer, api.chat_tokenizer, tool_list if choice != "none" else None)
+        kw = reasoning.anthropic_options(body, params.integer(body, "max_tokens") or 1 << 62).template_kwargs
+        prompt = params.template_prompt(msgs, api.tokenizer, api.chat_tokenizer, tool_list if choice != "none" else None,
+                                        kw)
     except BadRequest as e:
         return anthropic_error(400, str(e))
     return JSONResponse({"input_tokens": len(prompt)})

@@ -20,11 +20,13 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mtplx_ext.batching import Engine, Request
-from mtplx_ext.serve import anthropic, openai
+from mtplx_ext.serve import anthropic, openai, responses
 from mtplx_ext.serve import body as bodies
-from mtplx_ext.serve import limits
+from mtplx_ext.serve import limits, reasoning
 from mtplx_ext.serve.errors import BadRequest, anthropic_error, error_response
+from mtplx_ext.serve.metrics import ResponseCounter, ServeMetrics
 from mtplx_ext.serve.params import integer
+from mtplx_ext.serve.responses_store import ResponseStore
 
 
 class API:
@@ -36,10 +38,13 @@ class API:
         tokenizer: `tokenizers.Tokenizer`-like (encode(text).ids, decode(ids)).
         chat_tokenizer: an object with `apply_chat_template` (mlx-lm's
             tokenizer wrapper or a transformers tokenizer), or None (no chat).
-        api_key: when set, /v1 routes and /metrics need `Authorization: Bearer <key>`
+        api_key: when set, /v1 routes and /metrics (.json) need `Authorization: Bearer <key>`
             (the scheme's case does not matter).
         eos_ids: token ids that end every request (the tokenizer's end of text).
         max_body_bytes: larger request bodies get a 413.
+        reasoning_markers: "auto" (found from the tokenizer and the chat
+            template), "none" (the model does not reason) or "START,END"
+            (`serve.reasoning.detect`); the result is `reasoning`.
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class API:
         api_key: str | None = None,
         eos_ids: tuple[int, ...] = (),
         max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
+        reasoning_markers: Any = "auto",
     ):
         self.engine = engine
         self.model_name = model_name
@@ -60,6 +66,10 @@ class API:
         self.eos_ids = tuple(eos_ids)
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
+        self.reasoning = reasoning.detect(chat_tokenizer, tokenizer, reasoning_markers)
+        #: Stored responses of /v1/responses (`store`, `previous_response_id`), bounded.
+        self.responses = ResponseStore()
+        self.prometheus = ServeMetrics(engine)  # its own registry (`serve.metrics`)
 
     # -- request parsing ----------------------------------------------------------
 
@@ -82,13 +92,16 @@ class API:
 
     def submit(self, prompt: list[int], args: dict, on_event: Any) -> Request:
         """Queue a checked request on the engine; what the engine refuses is a 400 (in the request's terms)."""
+        watch = self.prometheus.watch(len(prompt), on_event)
         try:
-            return self.engine.submit(prompt, on_event=on_event, **args)
+            r = self.engine.submit(prompt, on_event=watch, **args)
         except (ValueError, TypeError) as e:
             msg = str(e)
             if msg.startswith("prompts[0]"):  # the engine's one-prompt list: the request's prompt ids
                 raise BadRequest("prompt" + msg[len("prompts[0]"):], "prompt") from None
             raise BadRequest(msg) from None
+        watch.queued()
+        return r
 
     # -- routes ---------------------------------------------------------------------
 
@@ -109,6 +122,12 @@ class API:
         return JSONResponse(self.model_card())
 
     async def metrics(self, req: HTTPRequest) -> Response:
+        """The Prometheus exposition of this API's registry (`serve.metrics`)."""
+        body, content_type = self.prometheus.render(req.headers.get("accept"))
+        return Response(body, headers={"content-type": content_type})
+
+    async def metrics_json(self, req: HTTPRequest) -> Response:
+        """`Engine.metrics()` as JSON (`/metrics` is the Prometheus text of `serve.metrics`)."""
         return JSONResponse(self.engine.metrics())
 
     async def completions(self, req: HTTPRequest) -> Response:
@@ -122,6 +141,17 @@ class API:
 
     async def count_tokens(self, req: HTTPRequest) -> Response:
         return await anthropic.count_tokens(self, req)
+
+    async def responses_create(self, req: HTTPRequest) -> Response:
+        return await responses.create(self, req)
+
+    async def responses_input_tokens(self, req: HTTPRequest) -> Response:
+        return await responses.input_tokens(self, req)
+
+    async def responses_item(self, req: HTTPRequest) -> Response:
+        if req.method == "DELETE":
+            return await responses.delete(self, req)
+        return await responses.retrieve(self, req)
 
 
 def _anthropic_path(path: str) -> bool:
@@ -177,19 +207,26 @@ class _Auth:
 
 
 def create_app(api: API) -> Starlette:
-    """The ASGI app: /health, /metrics, /v1/models[/{id}], /v1/completions, /v1/chat/completions, /v1/messages.
+    """The ASGI app: /health, /metrics (Prometheus), /metrics.json, /v1/models[/{id}], /v1/completions,
+    /v1/chat/completions, /v1/messages, /v1/responses (and /{id}, /input_tokens).
 
     Every error, an unknown route (404) or method (405) included, is JSON.
     """
     routes = [
         Route("/health", api.health),
         Route("/metrics", api.metrics),
+        Route("/metrics.json", api.metrics_json),
         Route("/v1/models", api.models),
         Route("/v1/models/{model_id:path}", api.model),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
+        Route("/v1/responses", api.responses_create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", api.responses_input_tokens, methods=["POST"]),
+        Route("/v1/responses/{response_id}", api.responses_item, methods=["GET", "DELETE"]),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(_Auth, key=api.api_key)],
+    middleware = [Middleware(ResponseCounter, counter=api.prometheus.responses, routes=routes),
+                  Middleware(_Auth, key=api.api_key)]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: _http_error})

@@ -40,7 +40,6 @@ CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "functions": (_absent, "functions is deprecated and not supported; use tools"),
     "function_call": (_absent, "function_call is deprecated and not supported; use tool_choice"),
     "web_search_options": (_absent, "web_search_options is not supported"),
-    "reasoning_effort": (_absent, "reasoning_effort is not supported (this model does not reason)"),
     "verbosity": (_absent, "verbosity is not supported"),
     "store": (_false, "store is not supported (nothing is stored)"),
 }
@@ -54,7 +53,8 @@ COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 #: Chat-only fields a completion body must not carry (they would do nothing there).
-CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens")
+CHAT_ONLY = ("messages", "tools", "tool_choice", "parallel_tool_calls", "max_completion_tokens", "reasoning_effort",
+             "enable_thinking", "chat_template_kwargs", "thinking_token_budget")
 
 
 def check_unsupported(body: dict, kind: str) -> None:

@@ -22,7 +22,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Engine, Event, Request
-from mtplx_ext.serve import disconnect, fields, logprobs, params, structured, tools
+from mtplx_ext.serve import disconnect, fields, logprobs, params, reasoning, structured, tools
 from mtplx_ext.serve.errors import BadRequest, error_response
 
 
@@ -30,8 +30,10 @@ from mtplx_ext.serve.errors import BadRequest, error_response
 class Reply:
     """What one request asked of its reply's shape: the route, tool parsing, usage in streams.
 
-    `pieces(text)` / `finish()` turn newly final text into ("text", str) and
-    ("call", tool call) pieces; without tools every piece is text.
+    `pieces(text)` / `finish()` turn newly final text into ("reasoning", str),
+    ("text", str) and ("call", tool call) pieces: the reasoning is split off
+    first (`reason`), tool calls are cut from the answer only; without
+    either every piece is text.
     """
 
     kind: str
@@ -44,7 +46,34 @@ class Reply:
 
     def __post_init__(self) -> None:
         self._split: tools.ToolStream | None = None
+        self._think: reasoning.ReasoningSplitter | None = None
         self.n_calls = 0
+        #: The model's reasoning markers (None: it does not reason), what the request asked of the
+        #: reasoning, and whether the prompt opened it (`reason`).
+        self.markers: reasoning.Markers | None = None
+        self.thinking = reasoning.Thinking()
+        self.in_reasoning = False
+
+    def reason(self, markers: reasoning.Markers | None, thinking: reasoning.Thinking, prompt_text: str,
+               messages: list[dict]) -> None:
+        """Split the model's reasoning off the reply (`markers` None: nothing to split).
+
+        `prompt_text` is `messages` through the template: whether its
+        generation prompt opened the reasoning (`reasoning.opens_reasoning`).
+        """
+        self.markers, self.thinking = markers, thinking
+        last = messages[-1].get("content") if messages else None
+        self.in_reasoning = reasoning.opens_reasoning(prompt_text, markers, last if isinstance(last, str) else "")
+        self._think = reasoning.ReasoningSplitter(markers, self.in_reasoning) if markers is not None else None
+
+    @property
+    def reasons(self) -> bool:
+        """The reply is split into reasoning and answer (the model has markers)."""
+        return self._think is not None
+
+    def constraint(self, api: Any, inner: Any) -> Any:
+        """The request's constraint: `inner` (its grammar, or None) behind the reasoning phase and its budget."""
+        return reasoning.gate(api, self.markers, inner, self.thinking, self.in_reasoning)
 
     def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True, choice: Any = "auto") -> None:
         """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only).
@@ -57,12 +86,26 @@ class Reply:
         self._split = tools.ToolStream(fmt, tool_list)
 
     def pieces(self, text: str) -> list[tuple[str, Any]]:
-        if self._split is None:
-            return [("text", text)] if text else []
-        return self._keep(self._split.push(text))
+        if self._think is None:
+            return self._answer(text)
+        return self._after_reasoning(self._think.push(text), last=False)
 
     def finish(self) -> list[tuple[str, Any]]:
-        return self._keep(self._split.finish()) if self._split is not None else []
+        if self._think is None:
+            return self._answer(None)
+        return self._after_reasoning(self._think.finish(), last=True)
+
+    def _after_reasoning(self, pieces: list[tuple[str, str]], last: bool) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for k, p in pieces:
+            out += [(k, p)] if k == "reasoning" else self._answer(p)
+        return out + (self._answer(None) if last else [])
+
+    def _answer(self, text: str | None) -> list[tuple[str, Any]]:
+        """Answer text through the tool-call cutter (None: the reply's end)."""
+        if self._split is None:
+            return [("text", text)] if text else []
+        return self._keep(self._split.push(text) if text is not None else self._split.finish())
 
     def _keep(self, pieces: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         out = []
@@ -87,7 +130,13 @@ def parse_request(api: Any, body: dict, kind: str) -> tuple[list[int], dict[str,
             raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         if choice != "none":  # "none": the model neither sees the tools nor calls them
             reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer), parallel, choice)
-        prompt = params.chat_prompt(body, api.tokenizer, api.chat_tokenizer, reply.tool_list)
+        thinking = reasoning.openai_options(body)
+        markers = getattr(api, "reasoning", None)  # an API stand-in may have none
+        reasoning.check_model(markers, thinking)
+        messages = params.chat_messages(body)
+        text = params.template_text(messages, api.chat_tokenizer, reply.tool_list, thinking.template_kwargs)
+        reply.reason(markers, thinking, text, messages)
+        prompt = api.tokenizer.encode(text).ids
     else:
         prompt = params.completion_prompt(body, api.tokenizer)
     return prompt, engine_args(api, body, params.submit_args(body, kind, api.eos_ids)), reply
@@ -108,8 +157,9 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     try:
         body = await api.body(http)
         prompt, args, reply = parse_request(api, body, kind)
-        # response_format, forced tool calls
-        args["constraint"] = structured.constraint(body, api, reply.tool_list, reply.tool_choice)
+        # response_format, forced tool calls: after the reasoning, if any (and its budget)
+        grammar = structured.constraint(body, api, reply.tool_list, reply.tool_choice)
+        args = structured.submit_args(args, reply.constraint(api, grammar), grammar)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         r = api.submit(prompt, args, disconnect.deliver(loop, events))
@@ -130,30 +180,40 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     pieces = reply.pieces(r.text) + reply.finish()
     text = "".join(p for k, p in pieces if k == "text")
     calls = [p for k, p in pieces if k == "call"]
+    thought = "".join(p for k, p in pieces if k == "reasoning") if reply.reasons else None
     lp = logprobs.render(kind, api.tokenizer, r.tokens, r.token_logprobs if r.logprobs is not None else None)
     return JSONResponse({
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()), "model": api.model_name,
-        "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls, logprobs=lp)],
+        "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls, logprobs=lp,
+                                reasoning=thought)],
         "usage": usage(r), "mtp": mtp_stats(r, api.engine),
     })
 
 
 def choice_json(kind: str, finish: str | None, *, text: str | None = None, tool_calls: list[dict] | None = None,
-                stream: bool = False, first: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                stream: bool = False, first: bool = False, logprobs: dict[str, Any] | None = None,
+                reasoning: str | None = None) -> dict[str, Any]:
     """One choice of a response (`stream=False`) or of a stream chunk: the one place a choice is built.
 
     A chat message with tool calls and no other text has null content, as
-    OpenAI's; a stream's first chat chunk carries the role.
+    OpenAI's; a stream's first chat chunk carries the role. `reasoning` is
+    the model's reasoning (vLLM's `reasoning_content`): on a message of a
+    model that reasons (null when it did not this time), on a delta when
+    there is some.
     """
     choice: dict[str, Any] = {"index": 0}
     if kind == "chat":
         if stream:
             msg: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if reasoning:
+                msg["reasoning_content"] = reasoning
             if text:
                 msg["content"] = text
         else:
             msg = {"role": "assistant", "content": None if tool_calls and not text.strip() else text}
+            if reasoning is not None:
+                msg["reasoning_content"] = reasoning or None
         if tool_calls:
             msg["tool_calls"] = tool_calls
         choice["delta" if stream else "message"] = msg
@@ -196,6 +256,9 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Rep
     def piece_chunks(pieces: list[tuple[str, Any]]) -> Iterator[str]:
         nonlocal sent
         for k, p in pieces:
+            if k == "reasoning":
+                yield chunk([choice_json(kind, None, reasoning=p, stream=True, logprobs=take_logprobs(""))])
+                continue
             if k == "text":
                 if p:
                     yield chunk([choice_json(kind, None, text=p, stream=True, logprobs=take_logprobs(p))])

@@ -120,23 +120,36 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
     return tools.chat_messages(body)
 
 
-def chat_prompt(body: dict, tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None = None) -> list[int]:
+def chat_prompt(body: dict, tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The token ids of a chat body: its messages (and `tool_list`, the checked tools) through the chat template."""
     clean = chat_messages(body)
-    return template_prompt(clean, tokenizer, chat_tokenizer, tool_list)
+    return template_prompt(clean, tokenizer, chat_tokenizer, tool_list, template_kwargs)
 
 
-def template_prompt(messages: list[dict], tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None) -> list[int]:
-    """Checked chat messages (OpenAI's shape) and tools through the model's chat template, tokenized."""
+def template_text(messages: list[dict], chat_tokenizer: Any, tool_list: list[dict] | None,
+                  template_kwargs: dict[str, Any] | None = None) -> str:
+    """Checked chat messages (OpenAI's shape) and tools through the model's chat template, as text.
+
+    `template_kwargs` (a request's `chat_template_kwargs`, `enable_thinking`, ...)
+    reach the template as its variables.
+    """
     if chat_tokenizer is None:
         raise BadRequest("this model has no chat template; use /v1/completions", "messages")
     kw = {"tools": tool_list} if tool_list else {}
     try:
-        text = chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        return chat_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **(template_kwargs or {}), **kw)
     except Exception as e:  # noqa: BLE001 - a template that refuses these messages (jinja raise_exception)
         raise BadRequest(f"the chat template refused the messages: {e}", "messages") from None
-    return tokenizer.encode(text).ids
+
+
+def template_prompt(messages: list[dict], tokenizer: Any, chat_tokenizer: Any, tool_list: list[dict] | None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """`template_text`, tokenized."""
+    return tokenizer.encode(template_text(messages, chat_tokenizer, tool_list, template_kwargs)).ids
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "FLOAT_FIELDS", "chat_messages", "chat_prompt", "completion_prompt", "integer",
-           "logit_bias", "number", "submit_args", "template_prompt"]
+           "logit_bias", "number", "submit_args", "template_prompt",
+           "template_text"]

@@ -22,7 +22,7 @@ from typing import Any
 from mtplx_ext.batching import Engine
 from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
-from mtplx_ext.serve import limits
+from mtplx_ext.serve import limits, structured
 from mtplx_ext.serve.warmup import warm_up
 from mtplx_ext.shipped import eos_ids
 
@@ -119,6 +119,7 @@ def build_api(
     max_body_bytes: int = limits.DEFAULT_MAX_BODY_BYTES,
     group: Any = None,
     watchdog: Any = None,
+    reasoning_markers: Any = "auto",
     prefix_cache_dir: str | Path | None = None,
     prefix_cache_disk_bytes: int = limits.DEFAULT_PREFIX_CACHE_DISK_BYTES,
 ) -> API:
@@ -140,17 +141,20 @@ def build_api(
     else:
         engine = Engine(runtime, **kwargs)
     return API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
-               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes)
+               eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes,
+               reasoning_markers=reasoning_markers)
 
 
 @contextlib.contextmanager
 def started(api: API, *, warm: bool = True, log: Callable[[str], None] | None = None) -> Iterator[API]:
     """Starts `api`'s engine, warmed up (`warmup.warm_up`) when `warm`, and stops it when the block ends.
 
-    `log` (default: stderr) says how long the warm-up took. `serve` answers
+    `log` (default: stderr) says whether structured outputs are on
+    (`structured.capability`) and how long the warm-up took. `serve` answers
     HTTP inside this block; so can any other server of `create_app(api)`.
     """
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    log(f"mtplx-ext serve: {structured.capability()}")
     api.engine.start()
     try:
         if warm:
@@ -183,6 +187,7 @@ def serve(
     log: Callable[[str], None] | None = None,
     group: Any = None,
     watchdog: Any = None,
+    reasoning_markers: Any = "auto",
     prefix_cache_dir: str | Path | None = None,
     prefix_cache_disk_bytes: int = limits.DEFAULT_PREFIX_CACHE_DISK_BYTES,
 ) -> None:
@@ -210,7 +215,7 @@ def serve(
     api = build_api(runtime, folder, max_batch=max_batch, depth=depth, use_mtp=use_mtp, api_key=api_key,
                     model_name=model_name, max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, group=group,
-                    watchdog=watchdog, prefix_cache_dir=prefix_cache_dir,
+                    watchdog=watchdog, reasoning_markers=reasoning_markers, prefix_cache_dir=prefix_cache_dir,
                     prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     sock = sock if sock is not None else bind(host, port)
     try:

@@ -184,7 +184,8 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
     """A chat body's `messages`, checked, as chat templates take them.
 
     Text parts are joined; an assistant message may carry `tool_calls` with
-    null content (content becomes ""); a tool message keeps its `tool_call_id`.
+    null content (content becomes "") and its `reasoning_content`; a tool
+    message keeps its `tool_call_id`.
     """
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -210,6 +211,8 @@ def chat_messages(body: dict) -> list[dict[str, Any]]:
             msg["tool_call_id"] = tid
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            msg["reasoning_content"] = m["reasoning_content"]  # what reasoning templates render (or drop)
         clean.append(msg)
     return clean
 
