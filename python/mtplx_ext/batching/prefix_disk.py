@@ -41,6 +41,8 @@ from mtplx_ext.batching.prefix_blocks import Node, State, block_key
 
 #: The format tag every file's metadata carries (a file of another layout is skipped).
 FORMAT = "mtplx-prefix-1"
+#: Seconds the writer thread waits for work before it ends (the next write starts another).
+WRITER_IDLE_S = 2.0
 _NAME = re.compile(r"^(?:n-([0-9a-f]{32})-|s-)([0-9a-f]{32})\.safetensors$")
 log = logging.getLogger("mtplx_ext.prefix_cache")
 
@@ -101,8 +103,7 @@ class DiskTier:
                       "prefix_disk_evictions": 0}
         self._scan()
         self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._writer, name="mtplx-prefix-disk", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None  # started by the first job, gone after WRITER_IDLE_S idle
 
     # -- index ---------------------------------------------------------------
 
@@ -178,7 +179,7 @@ class DiskTier:
             tag, parent = "s", None
             meta.update(boundary=str(item.boundary))
         meta["sha256"] = _digest(tensors, meta)
-        self.jobs.put(lambda: self._write(tag, item.key, parent, tensors, meta))
+        self._queue(lambda: self._write(tag, item.key, parent, tensors, meta))
 
     def _write(self, tag: str, key: bytes, parent: bytes | None, tensors: dict[str, np.ndarray],
                meta: dict[str, str]) -> None:
@@ -207,16 +208,32 @@ class DiskTier:
                 path = self._forget(tag, key)
             if path is not None:
                 path.unlink(missing_ok=True)
+        self._queue(job)
+
+    def _queue(self, job: Callable[[], None]) -> None:
         self.jobs.put(job)
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._writer, name="mtplx-prefix-disk", daemon=True)
+                self.thread.start()
 
     def _writer(self) -> None:
         while True:
-            job = self.jobs.get()
             try:
-                if job is None:
+                job = self.jobs.get(timeout=WRITER_IDLE_S)
+            except queue.Empty:
+                with self.lock:  # (a job queued meanwhile finds no thread and starts one, or is seen here)
+                    if self.jobs.empty():
+                        self.thread = None
+                        return
+                continue
+            try:
+                if job is None:  # `close`
+                    with self.lock:
+                        self.thread = None
                     return
                 job()
-            except OSError as e:  # a full or read-only disk: the RAM tier goes on without this file
+            except Exception as e:  # noqa: BLE001 - a full or read-only disk: the RAM tier goes on without the file
                 log.warning("prefix cache: could not write to %s: %s", self.dir, e)
             finally:
                 self.jobs.task_done()
@@ -227,9 +244,11 @@ class DiskTier:
 
     def close(self) -> None:
         """Finishes the queued work and stops the writer thread."""
-        if self.thread.is_alive():
+        with self.lock:
+            thread = self.thread
+        if thread is not None and thread.is_alive():
             self.jobs.put(None)
-            self.thread.join()
+            thread.join()
 
     # -- reads ---------------------------------------------------------------
 
@@ -253,7 +272,7 @@ class DiskTier:
             with self.lock:  # out of the index now (no second look), off the disk by the writer
                 gone = self._forget(tag, key)
             if gone is not None:
-                self.jobs.put(lambda: gone.unlink(missing_ok=True))
+                self._queue(lambda: gone.unlink(missing_ok=True))
             return None
         try:
             os.utime(path)  # recency survives a restart
