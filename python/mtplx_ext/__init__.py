@@ -69,13 +69,8 @@ from mtplx_ext.models.packed_quantized import (  # noqa: E402
 )
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
-from mtplx_ext.decode import (  # noqa: E402
-    BatchedDecodeResult,
-    StreamResult,
-    generate_batched,
-    generate_greedy_batched,
-)
-from mtplx_ext.batching import Engine, Event, Request  # noqa: E402
+from mtplx_ext.decode import BatchedDecodeResult, StreamResult  # noqa: E402
+from mtplx_ext.batching import Engine, Event, Request, generate_batched, generate_greedy_batched  # noqa: E402
 
 __version__ = "0.1.0"
 

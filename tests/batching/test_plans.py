@@ -31,12 +31,13 @@ def test_whole_prompts_starting_together_prefill_as_one_group_per_policy_class()
     def info(i: int, kind: str = "greedy", constrained: bool = False) -> Waiting:
         return Waiting(RowInfo(i, 100, kind=kind, constrained=constrained), 8)
 
-    queue = [info(0), info(1), info(2, "sampled"), info(3, "penalties"), info(4, constrained=True), info(5), info(6)]
+    queue = [info(0), info(1, constrained=True), info(2, "sampled"), info(3, "penalties"),
+             Waiting(RowInfo(4, 100), 300), info(5), info(6)]
     plan = plan_prefill(queue, [], False, 256, 8, 10_000)
     groups = [c.group for c in plan.chunks]
-    assert groups[0] == groups[1] is not None, "greedy rows arriving together share one forward"
+    assert groups[0] == groups[1] is not None, "greedy rows arriving together share one forward, constrained too"
     assert groups[2] == groups[3] not in (None, groups[0]), "sampled rows (penalties too) form their own group"
-    assert groups[4] is None, "a constrained row's first token is masked by its grammar: it goes alone"
+    assert groups[4] is None, "a prompt longer than a chunk goes alone"
     assert groups[5] == groups[6] not in (None, groups[0]), "a group never spans a row that goes alone"
 
 

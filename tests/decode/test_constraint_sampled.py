@@ -140,13 +140,13 @@ def rng() -> np.random.Generator:
 
 @pytest.mark.parametrize("depth", [1, 2])
 def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, compiled, depth, monkeypatch):
-    import mtplx_ext.decode.loop as loop
+    import mtplx_ext.batching.constrained as constrained
 
     rt, prompt = model_with_useful_head(rng, compiled, depth)
     seeds = (int(rng.integers(1 << 40)) + np.arange(N)).tolist()
     forced = []
-    real = loop.forced_drafts
-    monkeypatch.setattr(loop, "forced_drafts", lambda *a: forced.append(int(a[3].sum())) or real(*a))
+    real = constrained.forced_drafts
+    monkeypatch.setattr(constrained, "forced_drafts", lambda *a: forced.append(int(a[3].sum())) or real(*a))
     idx, res = decode(rt, compiled, prompt, seeds, depth)
     assert sum(forced) > 0, "no draft was forced: the grammar-forced path was not exercised"
     assert res.reached[depth - 1] > 0, "no cycle reached the last draft"
@@ -160,8 +160,7 @@ def test_constrained_mtp_sampling_follows_the_masked_target_distribution(rng, co
 
 def test_the_test_rejects_masking_only_the_draft_masking_q_as_well_or_a_forced_draft_with_the_heads_q(
         rng, compiled, monkeypatch):
-    import mtplx_ext.decode.generate as generate
-    import mtplx_ext.decode.loop as loop
+    import mtplx_ext.batching.constrained as constrained
     import mtplx_ext.decode.policies as policies
 
     depth = 2
@@ -186,12 +185,10 @@ def test_the_test_rejects_masking_only_the_draft_masking_q_as_well_or_a_forced_d
 
     variants = [("only the draft", policies.SampledPolicy, "verify", only_the_draft),
                 ("q masked too", policies.SampledPolicy, "verify", q_masked_too),
-                ("forced with the head's q", loop, "forced_drafts", heads_q)]
+                ("forced with the head's q", constrained, "forced_drafts", heads_q)]
     for name, obj, attr, variant in variants:
         with monkeypatch.context() as m:
             m.setattr(obj, attr, variant)
-            if obj is loop:
-                m.setattr(generate, "forced_drafts", variant)
             idx, _ = decode(rt, compiled, prompt, seeds, depth, stop=())
         p = g_test_pvalue(np.bincount(idx, minlength=V ** (depth + 1)), expected)
         assert p < ALPHA_BROKEN, f"the broken variant '{name}' passed: p = {p:.2e}"

@@ -343,13 +343,11 @@ class PoisonRow:
         return getattr(self.rt, name)
 
     def forward(self, tokens, cache, **kw):
-        decoding = cache[0].size() > 0
-        # Position of this forward's first token, per stream (a KV layer's).
+        # Position of this forward's first token, per stream (a KV layer's): past the prompt only when decoding.
         offset = next(c for c in cache if hasattr(c, "offset")).offset
         logits, hidden = self.rt.forward(tokens, cache, **kw)
-        if decoding:
-            bad = (mx.arange(logits.shape[0]) == self.row) & (offset >= self.start)
-            logits = mx.where(bad[:, None, None], mx.array(float("nan"), logits.dtype), logits)
+        bad = (mx.arange(logits.shape[0]) == self.row) & (offset >= self.start)
+        logits = mx.where(bad[:, None, None], mx.array(float("nan"), logits.dtype), logits)
         return logits, hidden
 
 
@@ -371,11 +369,13 @@ def test_nan_logits_of_a_finished_stream_are_ignored():
     prompts = _prompts(rng, rt.vocab_size, 3)
     cap = 9
     refs = [reference(rt, p, cap) for p in prompts]
-    stop = refs[0][0][0]  # stream 0 stops at its first token
+    stop = refs[0][0][1]  # stream 0 stops at its second token, in its first cycle; its row stays a while
+    if stop == refs[0][0][0] or any(stop in r[0] for r in refs[1:]):
+        pytest.skip("the stop token also occurs elsewhere")
     stops = {stop}
-    runtime = PoisonRow(rt, 0, 0, len(prompts[0]))
+    runtime = PoisonRow(rt, 0, 1, len(prompts[0]))  # row 0's forwards after its first cycle
     r = generate_greedy_batched(runtime, prompts, max_new_tokens=cap, stop_token_ids=stops, depth=1)
-    assert r.streams[0].tokens == [stop] and r.streams[0].finish_reason == "stop"
+    assert r.streams[0].tokens == refs[0][0][:2] and r.streams[0].finish_reason == "stop"
     for i in (1, 2):
         check_stream(i, r.streams[i], *refs[i], stops, cap)
 
@@ -387,7 +387,7 @@ def test_one_new_token_is_the_prefill_token_with_no_decode_forward(mtp):
     prompts = _prompts(rng, rt.vocab_size, 3)
     refs = [reference(rt, p, 1) for p in prompts]
     r = generate_greedy_batched(rt, prompts, max_new_tokens=1, use_mtp_draft=mtp, depth=1)
-    assert (r.cycles, r.forwards, r.host_syncs, r.drafted) == (1, 0, 1, 0)
+    assert (r.cycles, r.forwards, r.host_syncs, r.drafted) == (0, 0, 0, 0)
     for i, s in enumerate(r.streams):
         check_stream(i, s, *refs[i], set(), 1)
 

@@ -65,9 +65,11 @@ def check_events(events: list[dict]) -> dict:
 
     created, in_progress; per item: output_item.added, then (messages)
     content_part.added, output_text.delta..., output_text.done,
-    content_part.done or (calls) function_call_arguments.delta...,
-    .done; output_item.done; then completed / incomplete. Sequence numbers
-    count from 0; deltas concatenate to each item's final text.
+    content_part.done, (reasoning, the first item only) content_part.added,
+    reasoning_text.delta..., reasoning_text.done, content_part.done, or
+    (calls) function_call_arguments.delta..., .done; output_item.done; then
+    completed / incomplete. Sequence numbers count from 0; deltas
+    concatenate to each item's final text.
     """
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
@@ -91,6 +93,19 @@ def check_events(events: list[dict]) -> dict:
             assert events[i + 1]["type"] == "response.content_part.done" and events[i + 1]["part"]["text"] == text
             i += 2
             done_text = text
+        elif item["type"] == "reasoning":
+            assert index == 0 and item["summary"] == [] and item["content"] == [], (index, item)
+            assert events[i]["type"] == "response.content_part.added"
+            assert events[i]["part"] == {"type": "reasoning_text", "text": ""}
+            i, text = i + 1, ""
+            while events[i]["type"] == "response.reasoning_text.delta":
+                assert events[i]["item_id"] == item["id"] and events[i]["output_index"] == index
+                text, i = text + events[i]["delta"], i + 1
+            assert events[i]["type"] == "response.reasoning_text.done" and events[i]["text"] == text
+            assert events[i + 1]["type"] == "response.content_part.done"
+            assert events[i + 1]["part"] == {"type": "reasoning_text", "text": text}
+            i += 2
+            done_text = text
         else:
             assert item["type"] == "function_call"
             args = ""
@@ -102,7 +117,7 @@ def check_events(events: list[dict]) -> dict:
         done = events[i]
         assert done["type"] == "response.output_item.done" and done["output_index"] == index
         assert done["item"]["id"] == item["id"] and final["output"][index] == done["item"]
-        got = done["item"]["content"][0]["text"] if item["type"] == "message" else done["item"]["arguments"]
+        got = done["item"]["arguments"] if item["type"] == "function_call" else done["item"]["content"][0]["text"]
         assert got == done_text
         i, index = i + 1, index + 1
     assert index == len(final["output"]) > 0
@@ -318,7 +333,7 @@ def test_input_items_reach_the_template_as_the_equivalent_chat_messages(app):
     items = [{"role": "developer", "content": words[0]},
              {"type": "message", "role": "user", "content": [{"type": "input_text", "text": words[1]},
                                                              {"type": "input_text", "text": words[2]}]},
-             {"type": "reasoning", "id": "rs_1", "summary": []},  # an earlier reply's thinking: dropped
+             {"type": "reasoning", "id": "rs_1", "summary": []},  # no reasoning text: nothing to render
              {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": words[3]}]},
              {"role": "user", "content": words[4]}]
     r = c.responses.create(model="stub", instructions="Be brief.", input=items)
@@ -489,7 +504,15 @@ def test_a_request_that_fails_ends_its_stream_with_error_and_response_failed(app
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"include": ["message.output_text.logprobs", "file_search_call.results"]}, "include"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # this template's model has no reasoning markers
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+    ({"reasoning": {"context": "all_turns"}}, "reasoning.context"),
+    ({"reasoning": {"budget": 3}}, "reasoning.budget"),
+    ({"reasoning": "high"}, "reasoning"),
+    ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "text", "text": "x"}]}]},
+     "input[0].content[0]"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"truncation": "auto"}, "truncation"),

@@ -48,6 +48,7 @@ per row (bounded by `max_batch`), not per slot.
 from mtplx_ext.batching.admission import KV_BLOCK
 from mtplx_ext.batching.detok import Detokenizer
 from mtplx_ext.batching.engine import Engine
+from mtplx_ext.batching.fixed import generate_batched, generate_greedy_batched
 from mtplx_ext.batching.requests import Event, Request
 
-__all__ = ["KV_BLOCK", "Detokenizer", "Engine", "Event", "Request"]
+__all__ = ["KV_BLOCK", "Detokenizer", "Engine", "Event", "Request", "generate_batched", "generate_greedy_batched"]

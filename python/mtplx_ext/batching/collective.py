@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.decode import autodepth
-from mtplx_ext.decode.generate import generate_greedy_batched
+from mtplx_ext.decode.generate import generate_greedy_reference
 
 #: Exit status of a rank whose peers stopped answering.
 WATCHDOG_EXIT = 3
@@ -213,7 +213,7 @@ def agree_auto_depth(group: Any, runtime: Any, batches: Sequence[int], enforce_e
         return {int(b): 0 for b in batches}
 
     def decode(prompts: list[list[int]], n: int, k: int) -> tuple[float, int, list[int], list[int]]:
-        r = generate_greedy_batched(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
+        r = generate_greedy_reference(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
                                     enforce_eager=enforce_eager)
         return r.decode_s, r.cycles, list(r.accepted_at), list(r.reached)
 

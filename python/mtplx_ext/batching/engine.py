@@ -18,24 +18,24 @@ import numpy as np
 
 from mtplx_ext._checks import as_int
 from mtplx_ext.cache.ragged import check_kv_quantization
-from mtplx_ext.batching import admission, constrained, prefill
-from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows, prefill_cycle
+from mtplx_ext.batching import admission, constrained
+from mtplx_ext.batching.prefill import PrefillPhase, row_parts
+from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows
 from mtplx_ext.batching.depths import engine_depths
 from mtplx_ext.batching.metrics import snapshot
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.rules import RequestRules
-from mtplx_ext.batching.scheduler import BatchShape, Waiting, needs_rebuild, plan_batch, plan_prefill
+from mtplx_ext.batching.scheduler import BatchShape, needs_rebuild, plan_batch
 from mtplx_ext.batching.runner import EngineThread
-from mtplx_ext.batching.token_logprobs import cycle_entries, prefill_entry
+from mtplx_ext.batching.token_logprobs import cycle_entries
 from mtplx_ext.decode import session
-from mtplx_ext.decode.cycle import Cycle
 from mtplx_ext.decode.results import BatchedDecodeResult
-from mtplx_ext.decode.streams import Streams
+from mtplx_ext.decode.streams import InvalidRow, Streams
 from mtplx_ext.sampling import SamplerConfig
 
 
-class Engine:
+class Engine(PrefillPhase):
     """A continuous-batching MTP decoding engine over one running batch.
 
     Args:
@@ -83,7 +83,7 @@ class Engine:
     ):
         self.rt = runtime
         self._kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
-        self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1025)
+        self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1 << 16)
         self.mtp, self.depth, self._route, self._depths = engine_depths(
             runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
         self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest a batch may run)
@@ -252,112 +252,12 @@ class Engine:
             if r.cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
 
-    def _prefill(self) -> None:
-        """Runs the scheduler's `PrefillPlan` (`scheduler.plan_prefill`): each request alone, in arrival order."""
-        if not self._waiting:  # the common step: nothing to plan (no per-row records built)
-            return
-        held = [r.info() for r in self._live if r.finish_reason is None] + [r.info() for r in self._ready]
-        waiting = [Waiting(r.info(), len(r.prompt), None if r.prefill is None else len(r.prompt) - r.prefill_pos)
-                   for r in self._waiting]
-        plan = plan_prefill(waiting, held, bool(self._live), self.prefill_chunk, self.max_batch, self.max_kv_slots)
-        works = list(plan.chunks)
-        while works:
-            n = 1
-            while works[0].group is not None and n < len(works) and works[n].group == works[0].group:
-                n += 1
-            work, reqs = works[0], [self._waiting[i] for i in range(n)]  # the plan follows the queue
-            del works[:n]
-            hits = [None if self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp) else (None, 0)
-                    for r in reqs] if n > 1 else [None]  # (None: a hit, prefilled alone)
-            together = [r for r, hit in zip(reqs, hits) if hit is not None and hit[0] is None]
-            for r, hit in zip(reqs, hits):  # alone: a request's next chunks, or a group's prefix-cache hits
-                if r not in together:
-                    self._prefill_alone(r, work.chunks if n == 1 else len(r.prompt), work.start, hit)
-            if together:
-                for r in together:
-                    self._waiting.remove(r)
-                self._prefill_group(together)
-
-    def _prefill_alone(self, r: Request, chunks: int, start: bool, hit: tuple[Any, int] | None) -> None:
-        """Forwards up to `chunks` chunks of r's prompt (starting its prefill first); r leaves the queue when done."""
-        try:
-            if start:
-                self._start_prefill(r, hit)
-            gen, cyc = r.prefill
-            for _ in range(chunks):
-                tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
-                self.counters["prefill_tokens"] += tokens
-                try:
-                    next(gen)
-                    r.prefill_pos += tokens
-                    self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
-                except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
-                    self._waiting.remove(r)
-                    self._finish_prefill(r, cyc, *done.value)
-                    return
-        except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
-            if r in self._waiting:
-                self._waiting.remove(r)
-            self._fail(r, e)
-
-    def _prefill_group(self, reqs: list[Request]) -> None:
-        """Prefills whole prompts together in one left-padded forward (`batching.prefill`)."""
-        try:
-            k = self._prefill_depth(len(reqs))
-            cyc, padded = prefill.group_cycle(self.rt, reqs, admission.capacity(max(r.need for r in reqs)), k,
-                                              self.mtp)
-            self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
-            tokens, info = cyc.prefill(padded)
-            rows = prefill.group_rows(cyc, tokens, info)
-        except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
-            for r in reqs:
-                self._fail(r, e)
-            return
-        lps = cyc.prefill_logprobs
-        for i, r in enumerate(reqs):
-            self._finish_prefill(r, cyc, tokens[i:i + 1], None, (rows, i), None if lps is None else lps[i:i + 1])
-
-    def _prefill_depth(self, joining: int) -> int:
-        """The K of the batch that prefilled rows would join (their first drafts)."""
-        return self._depths.expected(len(self._live) + len(self._ready) + joining) if self._depths else self.depth
-
-    def _start_prefill(self, r: Request, hit: tuple[Any, int] | None = None) -> None:
-        cap = admission.capacity(r.need)
-        k = self._prefill_depth(1)
-        cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
-        constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
-        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok and hit is None else 0
-        steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
-        r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
-
-    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any,
-                        grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
-        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
-        r.prefill, x0 = None, int(np.array(tokens)[0, 0])
-        if grouped is None:
-            self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
-            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
-        else:  # (its prompt is stored with its reply when it finishes)
-            r.row, r.row_index = grouped
-        # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
-        r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
-        # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
-        # cycle's bundle then starts with it again.
-        constrained.finish_prefill(r, x0, self.mtp)
-        r.cycles = 0
-        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
-                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
-        if r.finish_reason is not None:
-            return
-        r.x0_committed = self.mtp
-        self._ready.append(r)
-
     # -- the running batch -------------------------------------------------------
 
     def _recompose(self) -> None:
         """Runs the scheduler's `BatchPlan`: drops finished rows, merges prefilled ones into one compact batch."""
         live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
-        if not needs_rebuild(live, ready, self._rechoose):
+        if not needs_rebuild(live, ready, self._rechoose, self.compact_rows):
             return
         self._rechoose = False
         if self._inflight is not None:
@@ -381,8 +281,9 @@ class Engine:
             self._streams = None
             return
         shape = plan.shape
+        self.stats.compactions += len(plan.keep) < len(live)
         parts: list[tuple[Rows, mx.array | None]] = [(old, mx.array(plan.keep, dtype=mx.int32))] if plan.keep else []
-        parts += prefill.row_parts(new)
+        parts += row_parts(new)
         for r in new:
             r.row = r.row_index = None
         K = self.cycle_depth = shape.depth
@@ -395,6 +296,7 @@ class Engine:
         self._next, self._info = rows.next, rows.info
         self._guide, self._next, self._info = constrained.recomposed(
             reqs, batch.policy, self.vocab, K + 1 if self.mtp else 1, self.mtp, self._next, self._info)
+        self.stats.host_syncs += self._guide is not None and self.mtp  # (the read of the rows' drafts)
         self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
 
     per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)
@@ -402,6 +304,8 @@ class Engine:
     #: Launch each cycle before reading the one before it (off: one cycle at a
     #: time, for side-by-side measurements; the tokens are the same).
     launch_ahead = True
+    #: Drop finished rows once at most half of the batch decodes (off: only when every row has finished).
+    compact_rows = True
 
     def _launch(self) -> Any:
         """Launches the running batch's next cycle (device work only)."""
@@ -452,14 +356,20 @@ class Engine:
             extra = [p.logprobs] if p.logprobs is not None else []
             if self._guide is not None and p.next_tokens is not None:
                 extra.append(p.next_tokens)
+            t = time.perf_counter()
             mx.eval(p.bundle, *extra)
             b, lp = np.array(p.bundle), None if p.logprobs is None else np.array(p.logprobs)
+            self.stats.sync_wait_s += time.perf_counter() - t
         except Exception as e:  # noqa: BLE001
             self._fail_batch(e)
             return
         live = constrained.live_rows(reqs, st)
+        if not any(live):  # a cycle launched ahead after every row had finished: wasted, not a decode cycle
+            return
         self.stats.cycles += 1
         self.stats.forwards += 1
+        self.stats.host_syncs += 1
+        self.stats.row_cycles += len(reqs)
         # Rows the forward computed, finished ones not yet evicted included.
         self.counters["row_forwards"] += len(reqs)
         for i, r in enumerate(reqs):
@@ -470,7 +380,7 @@ class Engine:
                 _, new, reason = (st.decide_stream if self.mtp else st.decide_plain_stream)(b, i)
             except Exception as e:  # noqa: BLE001
                 st.done[i] = True
-                self._fail(r, e)
+                self._fail(r, RuntimeError(e.detail) if isinstance(e, InvalidRow) else e)
                 continue
             r.cycles += 1
             n = int(b[i, 1]) if self.mtp else None

@@ -16,16 +16,23 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from mtplx_ext.batching.batch import Rows
+from mtplx_ext.batching import admission, constrained
+from mtplx_ext.batching.batch import Rows, prefill_cycle
+from mtplx_ext.batching.requests import Request
+from mtplx_ext.batching.scheduler import Waiting, plan_prefill
+from mtplx_ext.batching.token_logprobs import prefill_entry
 from mtplx_ext.cache.rows import RowState
+from mtplx_ext.decode.constraint import RowConstraints
 from mtplx_ext.decode.cycle import Cycle
 from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy
 
 
-def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bool) -> tuple[Cycle, mx.array]:
-    """A cycle of caches of `cap` slots for `reqs` (left-padded rows, each request's own policy) and its
-    padded [G, W] prompt array.
+def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bool
+                ) -> tuple[Cycle, mx.array, list[int]]:
+    """A cycle of caches of `cap` slots for `reqs` (left-padded rows, each request's own policy), its padded
+    [G, W] prompt array and each row's padding.
 
     Raises:
         ValueError: rows of greedy and sampled kinds together (they prefill under different policies).
@@ -41,15 +48,18 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
         policy = SampledPolicy([r.sampler for r in reqs], row_seeds=[r.seed for r in reqs])
     else:
         raise ValueError("a prefill group holds greedy and sampled rows together")
+    cons = [getattr(r, "constraint", None) for r in reqs]
+    if any(c is not None for c in cons):  # each constrained row's x0 is masked by its own grammar
+        policy.mask = RowConstraints(cons, int(runtime.vocab_size), depth + 1 if mtp else 1).current()
     cyc = Cycle(runtime, policy, cache, head, depth, per_stream=mtp,
                 logprobs=any(r.logprobs is not None for r in reqs))
     padded = mx.array([[0] * pad + list(r.prompt) for pad, r in zip(pads, reqs)], dtype=mx.int32)
-    return cyc, padded
+    return cyc, padded, pads
 
 
-def group_rows(cyc: Cycle, tokens: mx.array, info: mx.array | None) -> Rows:
+def group_rows(cyc: Cycle, pads: Sequence[int], tokens: mx.array, info: mx.array | None) -> Rows:
     """The rows a finished group prefill left in its cycle's caches, unpadded (evaluated)."""
-    rows = Rows(RowState.take_unpadded(cyc.caches()), tokens, info, getattr(cyc.policy, "counts", None))
+    rows = Rows(RowState.take_unpadded(cyc.caches(), pads), tokens, info, getattr(cyc.policy, "counts", None))
     mx.eval(rows.arrays())
     RowState.release(cyc.caches())
     return rows
@@ -69,4 +79,110 @@ def row_parts(reqs: Sequence[Any]) -> list[tuple[Rows, mx.array | None]]:
     return [(rows, None if idx is None else mx.array(idx, dtype=mx.int32)) for rows, idx in parts]
 
 
-__all__ = ["group_cycle", "group_rows", "row_parts"]
+class PrefillPhase:
+    """The prefill phase of an `Engine` step (a base of `Engine`, on its state): runs the scheduler's
+    `PrefillPlan`, each request alone (chunked, from a prefix-cache hit) or a group together, and leaves each
+    prefilled request's first token out and its row ready to join the running batch."""
+
+    def _prefill(self) -> None:
+        """Runs the scheduler's `PrefillPlan` (`scheduler.plan_prefill`): each request alone, in arrival order."""
+        if not self._waiting:  # the common step: nothing to plan (no per-row records built)
+            return
+        held = [r.info() for r in self._live if r.finish_reason is None] + [r.info() for r in self._ready]
+        waiting = [Waiting(r.info(), len(r.prompt), None if r.prefill is None else len(r.prompt) - r.prefill_pos)
+                   for r in self._waiting]
+        plan = plan_prefill(waiting, held, bool(self._live), self.prefill_chunk, self.max_batch, self.max_kv_slots)
+        works = list(plan.chunks)
+        while works:
+            n = 1
+            while works[0].group is not None and n < len(works) and works[n].group == works[0].group:
+                n += 1
+            work, reqs = works[0], [self._waiting[i] for i in range(n)]  # the plan follows the queue
+            del works[:n]
+            hits = [None if self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp) else (None, 0)
+                    for r in reqs] if n > 1 else [None]  # (None: a hit, prefilled alone)
+            together = [r for r, hit in zip(reqs, hits) if hit is not None and hit[0] is None]
+            for r, hit in zip(reqs, hits):  # alone: a request's next chunks, or a group's prefix-cache hits
+                if r not in together:
+                    self._prefill_alone(r, work.chunks if n == 1 else len(r.prompt), work.start, hit)
+            if together:
+                for r in together:
+                    self._waiting.remove(r)
+                self._prefill_group(together)
+
+    def _prefill_alone(self, r: Request, chunks: int, start: bool, hit: tuple[Any, int] | None) -> None:
+        """Forwards up to `chunks` chunks of r's prompt (starting its prefill first); r leaves the queue when done."""
+        try:
+            if start:
+                self._start_prefill(r, hit)
+            gen, cyc = r.prefill
+            for _ in range(chunks):
+                tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
+                self.counters["prefill_tokens"] += tokens
+                try:
+                    next(gen)
+                    r.prefill_pos += tokens
+                    self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
+                except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
+                    self._waiting.remove(r)
+                    self._finish_prefill(r, cyc, *done.value)
+                    return
+        except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
+            if r in self._waiting:
+                self._waiting.remove(r)
+            self._fail(r, e)
+
+    def _prefill_group(self, reqs: list[Request]) -> None:
+        """Prefills whole prompts together in one left-padded forward (`batching.prefill`)."""
+        try:
+            k = self._prefill_depth(len(reqs))
+            cyc, padded, pads = group_cycle(self.rt, reqs, admission.capacity(max(r.need for r in reqs)), k,
+                                              self.mtp)
+            self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+            tokens, info = cyc.prefill(padded)
+            rows = group_rows(cyc, pads, tokens, info)
+        except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
+            for r in reqs:
+                self._fail(r, e)
+            return
+        lps = cyc.prefill_logprobs
+        for i, r in enumerate(reqs):
+            self._finish_prefill(r, cyc, tokens[i:i + 1], None, (rows, i), None if lps is None else lps[i:i + 1])
+
+    def _prefill_depth(self, joining: int) -> int:
+        """The K of the batch that prefilled rows would join (their first drafts)."""
+        return self._depths.expected(len(self._live) + len(self._ready) + joining) if self._depths else self.depth
+
+    def _start_prefill(self, r: Request, hit: tuple[Any, int] | None = None) -> None:
+        cap = admission.capacity(r.need)
+        k = self._prefill_depth(1)
+        cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
+        constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
+        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok and hit is None else 0
+        steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
+        r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
+
+    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any,
+                        grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
+        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
+        r.prefill, x0 = None, int(np.array(tokens)[0, 0])
+        if grouped is None:
+            self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
+            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
+        else:  # (its prompt is stored with its reply when it finishes)
+            r.row, r.row_index = grouped
+        # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
+        r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
+        # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
+        # cycle's bundle then starts with it again.
+        constrained.finish_prefill(r, x0, self.mtp)
+        r.cycles = 0
+        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
+                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
+        if r.finish_reason is not None:
+            return
+        r.x0_committed = self.mtp
+        self._ready.append(r)
+
+
+__all__ = ["PrefillPhase", "group_cycle", "group_rows", "row_parts"]

@@ -128,11 +128,9 @@ def kind_of(rows: Sequence[RowInfo]) -> str:
 def groupable(info: RowInfo) -> str | None:
     """The prefill group class of a request starting with its whole prompt in one chunk (None: alone).
 
-    Greedy rows prefill under an argmax policy, the others under a sampled one; a constrained row's first
-    token is masked by its own grammar, so it goes alone.
+    Greedy rows prefill under an argmax policy, the others under a sampled one (a constrained row's first
+    token is masked by its own grammar's row of the group's mask).
     """
-    if info.constrained:
-        return None
     return "greedy" if info.kind == "greedy" else "sampled"
 
 
@@ -185,19 +183,19 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
     return PrefillPlan(tuple(out))
 
 
-def needs_rebuild(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool) -> bool:
+def needs_rebuild(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool, compact: bool = True) -> bool:
     """Whether the running batch changes: a prefilled request waits to join, K should move, or at most half of
     the rows still decode.
 
     Finished rows stay in the batch until then (their share of a forward is wasted, their tokens ignored):
     dropping each as it ends would rebuild the batch at every finish and run as many batch shapes, each traced
     once; halving bounds both, as a fixed batch's compaction does. A row's tokens never depend on its neighbours,
-    so when rows leave changes no token.
+    so when rows leave changes no token. `compact` False keeps finished rows until every row has finished.
     """
     if rechoose or any(not r.finished for r in ready):
         return True
     done = sum(r.finished for r in live)
-    return done > 0 and 2 * done >= len(live)
+    return done > 0 and (2 * done >= len(live) if compact else done == len(live))
 
 
 def plan_batch(live: Sequence[RowInfo], ready: Sequence[RowInfo], rechoose: bool, mtp: bool,

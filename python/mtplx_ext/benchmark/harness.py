@@ -24,7 +24,7 @@ import numpy as np
 
 from mtplx_ext import _blas
 from mtplx_ext.benchmark.bandwidth import read_bandwidth, streaming_floor_s, weight_bytes
-from mtplx_ext.decode import generate_batched
+from mtplx_ext.batching import generate_batched
 from mtplx_ext.shipped import BENCH_PROMPTS
 from mtplx_ext.train import corpus
 

@@ -86,27 +86,27 @@ class RowState:
         return cls([p.ends for p in positions], [c.buffers for c in kv], [list(c.cache) for c in rec])
 
     @classmethod
-    def take_unpadded(cls, cache_lists: CacheLists) -> "RowState":
-        """The rows of left-padded cache lists with each row's slots moved left by its padding (a copy).
+    def take_unpadded(cls, cache_lists: CacheLists, pads: Sequence[int]) -> "RowState":
+        """The rows of cache lists made with `pads` rows of left padding, each row's slots moved left by its
+        padding (a copy).
 
-        A left-padded prefill of several prompts leaves row b's tokens in
-        slots [left_padding[b], ends[b]); the rows of a running batch start
-        at slot 0 (its positions carry no padding). RoPE positions count
-        from the row's first token (`RaggedPositions.offset`), so moving the
-        slots keeps every stored key as it is. Slots past a row's new end
-        hold copies of its last slot, never read (attention stops at the end).
+        A left-padded prefill of several prompts leaves row b's tokens from slot pads[b] on; the rows of a
+        running batch start at slot 0. RoPE positions count from the row's first token (`RaggedPositions.offset`:
+        ends minus left padding, whatever base offset a cache list adds to it), so moving the slots and the
+        ends by the padding keeps every stored key as it is. Slots past a row's new end hold copies of its last
+        slot, never read (attention stops at the end).
         """
         positions, kv, rec = split_layers(cache_lists)
+        pad = mx.array(list(pads), dtype=mx.int32)
         shifted = []
         for c in kv:
-            pads = c.positions.left_padding
             out = []
             for a in c.buffers:
                 S = a.shape[2]
-                idx = mx.minimum(mx.arange(S, dtype=mx.int32)[None, :] + pads[:, None], S - 1)
+                idx = mx.minimum(mx.arange(S, dtype=mx.int32)[None, :] + pad[:, None], S - 1)
                 out.append(mx.take_along_axis(a, idx[:, None, :, None], axis=2))
             shifted.append(out)
-        return cls([p.ends - p.left_padding for p in positions], shifted, [list(c.cache) for c in rec])
+        return cls([p.ends - pad for p in positions], shifted, [list(c.cache) for c in rec])
 
     @staticmethod
     def release(cache_lists: CacheLists) -> None:

@@ -22,7 +22,7 @@ from mtplx_ext.cli.common import (
     stop_ids,
     tokenizer,
 )
-from mtplx_ext.decode import generate_batched, generate_greedy_batched
+from mtplx_ext.batching import generate_batched, generate_greedy_batched
 from mtplx_ext.sampling import SamplerConfig
 from mtplx_ext.shipped import DEFAULT_PROMPT
 

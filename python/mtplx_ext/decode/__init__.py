@@ -9,10 +9,20 @@ Modules, in the order a decode uses them:
 * `bundle`: the chain bundle, the one array a cycle reads on the host;
 * `streams`: host bookkeeping of what each stream commits;
 * `loop`: serial or pipelined cycles;
-* `generate`: fixed-batch `generate_batched` / `generate_greedy_batched`.
+* `generate`: the reference fixed-batch loop (`mtplx_ext.generate_batched` runs on the engine).
 """
 
-from mtplx_ext.decode.generate import generate_batched, generate_greedy_batched
+from mtplx_ext.decode.generate import generate_greedy_reference, generate_reference
 from mtplx_ext.decode.results import BatchedDecodeResult, StreamResult
 
-__all__ = ["BatchedDecodeResult", "StreamResult", "generate_batched", "generate_greedy_batched"]
+__all__ = ["BatchedDecodeResult", "StreamResult", "generate_greedy_reference", "generate_reference"]
+
+
+def __getattr__(name: str):  # the names this package exported before fixed batches moved onto the engine
+    if name in ("generate_batched", "generate_greedy_batched"):
+        import warnings
+
+        warnings.warn(f"mtplx_ext.decode.{name} is the reference loop now; mtplx_ext.{name} runs on the engine",
+                      DeprecationWarning, stacklevel=2)
+        return generate_reference if name == "generate_batched" else generate_greedy_reference
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

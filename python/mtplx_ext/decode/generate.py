@@ -1,4 +1,12 @@
-"""Fixed-batch generation: `generate_batched` and `generate_greedy_batched`."""
+"""The reference fixed-batch loop: `generate_reference` and `generate_greedy_reference`.
+
+`mtplx_ext.generate_batched` runs fixed batches on the engine
+(`batching.fixed`); this loop (`decode.loop`) stays for what the engine does
+not run: uniform repair (`reject_mode="reforward"`, and trunks whose
+recurrent state cannot be captured per position), eager graphs
+(`enforce_eager=True`), and the depth calibration, which measures cycles
+without an engine's scheduling.
+"""
 
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ from mtplx_ext.decode.streams import OnCommit, Streams
 REJECT_MODES = ("repair", "reforward")
 
 
-def generate_batched(
+def generate_reference(
     runtime: Any,
     prompts: Sequence[Sequence[int]],
     *,
@@ -45,7 +53,10 @@ def generate_batched(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
 ) -> BatchedDecodeResult:
-    """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle.
+    """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle, on the reference loop.
+
+    `mtplx_ext.generate_batched` takes the same arguments (and comes here for the settings it leaves to
+    this loop).
 
     Args:
         runtime: an `MTPRuntime` (make_cache, make_head_cache, forward,
@@ -217,6 +228,10 @@ def _generate(
         policy.mask = None
         if rows is not None:
             st.result.compactions = rows.compactions
+    if not mtp:  # the first read was the prefill's token: not a decode cycle (no forward)
+        st.result.cycles -= 1
+        st.result.host_syncs -= 1
+        st.result.row_cycles -= len(prompts)
     st.result.prefill_s = t1 - t0
     st.result.decode_s = time.perf_counter() - t1
     if guide is not None:
@@ -236,14 +251,14 @@ def auto_costs(runtime: Any, batch: int, enforce_eager: bool = False) -> autodep
         return None
 
     def decode(prompts: list[list[int]], n: int, k: int) -> tuple[float, int, list[int], list[int]]:
-        r = generate_greedy_batched(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
+        r = generate_greedy_reference(runtime, prompts, max_new_tokens=n, use_mtp_draft=k > 0, depth=max(k, 1),
                                     enforce_eager=enforce_eager)
         return r.decode_s, r.cycles, list(r.accepted_at), list(r.reached)
 
     return autodepth.depth_costs(runtime, batch, decode)
 
 
-def generate_greedy_batched(
+def generate_greedy_reference(
     runtime: Any,
     prompts: Sequence[Sequence[int]],
     *,
@@ -260,11 +275,8 @@ def generate_greedy_batched(
     constraints: Sequence[Constraint | None] | None = None,
     compact_rows: bool = True,
 ) -> BatchedDecodeResult:
-    """Greedy batched MTP decoding: `generate_batched` at temperature 0.
-
-    See `generate_batched` for the arguments and the result.
-    """
-    return generate_batched(
+    """Greedy batched MTP decoding on the reference loop: `generate_reference` at temperature 0."""
+    return generate_reference(
         runtime,
         prompts,
         max_new_tokens=max_new_tokens,

@@ -27,7 +27,8 @@ class BatchedDecodeResult(DraftStats):
 
     Attributes (besides `DraftStats`' acceptance counts):
         streams: one `StreamResult` per prompt, in prompt order.
-        cycles: decode cycles, each ending in one bundle read.
+        cycles: decode cycles, each ending in one bundle read (the
+            prefill and its first token are not a cycle).
         forwards: trunk forwards during decode: verification and repair
             forwards (MTP), or one per token after the first (plain
             decoding). The prefill is not counted.

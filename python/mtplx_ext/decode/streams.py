@@ -16,6 +16,15 @@ OnCommit = Callable[[int, list[int]], None]
 Commits = list[tuple[int, list[int], str | None]]
 
 
+class InvalidRow(RuntimeError):
+    """A stream's row became invalid (non-finite logits, a token outside the vocabulary): the message names the
+    stream's row; `detail` says what happened without it (an engine reports it for its request)."""
+
+    def __init__(self, row: int, detail: str):
+        super().__init__(f"stream {row}: {detail}")
+        self.detail = detail
+
+
 class Streams:
     """What each stream has committed, and what a cycle's bundle means for it.
 
@@ -78,7 +87,7 @@ class Streams:
         self.count[:] = np.asarray(committed, dtype=np.int64) - self.x0_committed
 
     def _fail(self, i: int, why: str) -> None:
-        raise RuntimeError(f"stream {i}: invalid decode row ({why}) after {self.count[i]} committed tokens")
+        raise InvalidRow(i, f"invalid decode row ({why}) after {self.count[i]} committed tokens")
 
     def _walk(self, i: int, toks: list[int], n: int | None) -> tuple[list[int], str | None]:
         """The prefix of `toks` stream i commits, stopping at a stop token or its cap.

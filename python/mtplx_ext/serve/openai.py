@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,36 @@ class Reply:
     def constraint(self, api: Any, inner: Any) -> Any:
         """The request's constraint: `inner` (its grammar, or None) behind the reasoning phase and its budget."""
         return reasoning.gate(api, self.markers, inner, self.thinking, self.in_reasoning)
+
+    def reasoning_tokens(self, tokens: list[int], decode: Callable[[list[int]], str]) -> int:
+        """How many of the reply's `tokens` wrote its reasoning block (markers included), as the splitter cuts it.
+
+        `decode(ids) -> str` is the tokenizer's. The block runs from the
+        reply's start (or the start marker that opens it) to the token that
+        completes the first end marker; a reply cut inside it is all
+        reasoning, one without a block has none. Each end-marker check
+        decodes a short window of tokens, so a marker spelled across tokens
+        (or a character cut across them) is found and the count stays linear.
+        """
+        m = self.markers
+        if m is None or not tokens:
+            return 0
+        first = 0
+        if not self.in_reasoning:  # only the reply's start (after whitespace) may open the block
+            for i in range(len(tokens)):
+                lead = decode(tokens[:i + 1]).lstrip()
+                if lead.startswith(m.start):
+                    first = i
+                    break
+                if not m.start.startswith(lead):
+                    return 0
+            else:
+                return 0
+        window = 16 + len(m.end.encode())  # tokens: more than any marker's bytes take
+        for k in range(first, len(tokens)):
+            if m.end in decode(tokens[max(first, k + 1 - window):k + 1]):
+                return k + 1
+        return len(tokens)
 
     def parse_tools(self, tool_list: list[dict] | None, fmt: Any, parallel: bool = True, choice: Any = "auto") -> None:
         """Cut calls in `fmt` out of the reply (`parallel=False`: keep the first call only).
@@ -187,7 +217,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
         "created": int(time.time()), "model": api.model_name,
         "choices": [choice_json(kind, finish_reason(r, bool(calls)), text=text, tool_calls=calls, logprobs=lp,
                                 reasoning=thought)],
-        "usage": usage(r), "mtp": mtp_stats(r, api.engine),
+        "usage": reply_usage(api, r, reply), "mtp": mtp_stats(r, api.engine),
     })
 
 
@@ -287,7 +317,7 @@ async def _sse(api: Any, r: Request, events: asyncio.Queue, rid: str, reply: Rep
                 yield chunk([choice_json(kind, finish_reason(r, reply.n_calls > 0), stream=True,
                                          logprobs=take_logprobs(""))], {"mtp": mtp_stats(r, api.engine)})
                 if reply.include_usage:
-                    yield chunk([], {"usage": usage(r)})
+                    yield chunk([], {"usage": reply_usage(api, r, reply)})
                 break
             elif ev.kind == "error":
                 err = {"error": {"message": f"the request failed: {ev.error}", "type": "server_error"}}
@@ -306,10 +336,19 @@ def finish_reason(r: Request, called: bool = False) -> str:
     return "tool_calls" if called else "stop"
 
 
-def usage(r: Request) -> dict[str, int]:
-    """OpenAI's usage object of a request."""
-    return {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens),
-            "total_tokens": len(r.prompt) + len(r.tokens)}
+def usage(r: Request, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object of a request (`completion_tokens_details.reasoning_tokens` when the model reasons)."""
+    out: dict[str, Any] = {"prompt_tokens": len(r.prompt), "completion_tokens": len(r.tokens),
+                           "total_tokens": len(r.prompt) + len(r.tokens)}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
+
+
+def reply_usage(api: Any, r: Request, reply: Reply) -> dict[str, Any]:
+    """`usage` of a finished request, its reasoning tokens counted when the reply is split (`Reply.reasons`)."""
+    n = reply.reasoning_tokens(r.tokens, api.tokenizer.decode) if reply.reasons else None
+    return usage(r, n)
 
 
 def mtp_stats(r: Request, engine: Engine) -> dict[str, Any]:
@@ -318,4 +357,5 @@ def mtp_stats(r: Request, engine: Engine) -> dict[str, Any]:
             "acceptance": r.acceptance, "mean_accepted_length": r.mean_accepted_length}
 
 
-__all__ = ["Reply", "choice_json", "engine_args", "finish_reason", "generate", "mtp_stats", "parse_request", "usage"]
+__all__ = ["Reply", "choice_json", "engine_args", "finish_reason", "generate", "mtp_stats", "parse_request",
+           "reply_usage", "usage"]

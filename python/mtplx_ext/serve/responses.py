@@ -9,7 +9,11 @@ place items are assembled). Streams send OpenAI's typed events:
 `response.created`, `response.in_progress`, the items' events, then
 `response.completed` (`response.incomplete` when `max_output_tokens` cut
 the reply; `error` and `response.failed` if the request fails), each with a
-`sequence_number`. With `store` (OpenAI's default: true) the response and
+`sequence_number`. A reasoning model's thinking is split off the reply as
+on the chat route (`Reply.reason`, `reasoning: {effort}` mapped as chat's
+`reasoning_effort`) and comes first, as a `reasoning` item; a grammar
+(`text.format`, a forced call) starts after it. With `store` (OpenAI's
+default: true) the response and
 its conversation are kept in the API's bounded `ResponseStore` for
 `previous_response_id` and `GET`. The handlers run on the event loop and
 never call MLX.
@@ -28,7 +32,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from mtplx_ext.batching import Event, Request
-from mtplx_ext.serve import disconnect, logprobs, params, structured, tools
+from mtplx_ext.serve import disconnect, logprobs, params, reasoning, structured, tools
 from mtplx_ext.serve import responses_input as ri
 from mtplx_ext.serve.errors import BadRequest, error_response
 from mtplx_ext.serve.openai import Reply, engine_args, mtp_stats
@@ -61,11 +65,16 @@ class Turn:
         if choice != "none":  # "none": the model neither sees the tools nor calls them
             self.reply.parse_tools(tool_list, tools.tool_format(api.chat_tokenizer),
                                    body.get("parallel_tool_calls") is not False, choice)
+        thinking, self.reasoning_echo = ri.reasoning_options(body)
+        markers = getattr(api, "reasoning", None)  # an API stand-in may have none
+        reasoning.check_model(markers, thinking)
         messages = ri.lead_system(self.conversation, body.get("instructions"))
         try:
-            self.prompt = params.template_prompt(messages, api.tokenizer, api.chat_tokenizer, self.reply.tool_list)
+            text = params.template_text(messages, api.chat_tokenizer, self.reply.tool_list, thinking.template_kwargs)
         except BadRequest as e:
             raise BadRequest(str(e), "input") from None  # the chat route names its messages
+        self.reply.reason(markers, thinking, text, messages)
+        self.prompt = api.tokenizer.encode(text).ids
         if not decode:
             return
         context = getattr(api.engine, "context", None)
@@ -74,8 +83,11 @@ class Turn:
         self.args = engine_args(api, body, params.submit_args(sampling, "chat", api.eos_ids))
         fmt = ri.response_format(body)
         try:
-            self.args = structured.submit_args(self.args, structured.constraint(
-                {"response_format": fmt} if fmt else {}, api, self.reply.tool_list, self.reply.tool_choice))
+            inner = structured.constraint({"response_format": fmt} if fmt else {}, api, self.reply.tool_list,
+                                          self.reply.tool_choice)
+            # text.format, forced calls: after the reasoning, if any (and its budget); the grammar's stop tokens
+            # join the request's
+            self.args = structured.submit_args(self.args, self.reply.constraint(api, inner), inner)
         except BadRequest as e:  # the chat field's name, in the Responses body's terms
             raise BadRequest(str(e).replace("response_format.json_schema", "text.format").replace(
                 "response_format", "text.format"), "text.format" if e.param == "response_format" else e.param) from None
@@ -90,14 +102,15 @@ class Turn:
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
             "model": api.model_name, "output": output, "parallel_tool_calls": b.get("parallel_tool_calls") is not False,
-            "previous_response_id": b.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": b.get("previous_response_id"), "reasoning": dict(self.reasoning_echo),
             "store": b.get("store") is not False, "temperature": b.get("temperature", 1.0),
             "text": {"format": fmt, "verbosity": "medium"}, "tool_choice": self.tool_choice,
             "tools": b.get("tools") or [], "top_p": b.get("top_p", 1.0), "truncation": "disabled",
             "usage": None, "metadata": b.get("metadata") or {}, "user": b.get("user"),
         }
         if r is not None and status != "in_progress":  # the engine's last event came (`r.done` may lag it)
-            out["usage"] = usage(r)
+            thought = self.reply.reasoning_tokens(r.tokens, api.tokenizer.decode) if self.reply.reasons else 0
+            out["usage"] = usage(r, thought)
             out["mtp"] = mtp_stats(r, api.engine)
         return out
 
@@ -107,10 +120,11 @@ class Turn:
             store_of(api).put(self.id, response, self.conversation + ri.input_messages(response["output"]))
 
 
-def usage(r: Request) -> dict[str, Any]:
-    """The Responses API's usage object (`cached_tokens`: prompt tokens loaded from the prefix cache)."""
+def usage(r: Request, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """The Responses API's usage object (`cached_tokens`: prompt tokens loaded from the prefix cache;
+    `reasoning_tokens`: those of the reasoning block, `Reply.reasoning_tokens`)."""
     return {"input_tokens": len(r.prompt), "input_tokens_details": {"cached_tokens": r.prefill_from},
-            "output_tokens": len(r.tokens), "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": len(r.tokens), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": len(r.prompt) + len(r.tokens)}
 
 
@@ -122,9 +136,44 @@ def store_of(api: Any) -> ResponseStore:
     return store
 
 
-def _final(turn: Turn, r: Request, out: Output) -> list[dict[str, Any]]:
+class AnswerLogprobs:
+    """The token logprobs a reply's pieces carry: the answer's only (the reasoning's tokens wrote no output_text).
+
+    Entries are held until the reply's first answer piece (text or a call):
+    then `Reply.reasoning_tokens` over the tokens so far says how many wrote
+    the reasoning block; those are dropped and the rest go on, as do all
+    later ones. Held entries of a reply that never got past its reasoning
+    are dropped. Streams and whole responses take the same path, so their
+    logprobs agree.
+    """
+
+    def __init__(self, api: Any, reply: Reply):
+        self.reply, self.decode = reply, api.tokenizer.decode
+        self.tokens: list[int] = []
+        self.held: list[dict[str, Any]] = []
+        self.cut: int | None = None if reply.reasons else 0  # the reasoning's tokens, once known
+
+    def take(self, tokens: list[int], entries: list[dict[str, Any]] | None, pieces: list[tuple[str, Any]]
+             ) -> list[dict[str, Any]] | None:
+        """The entries to send with `pieces`, which `tokens` (with logprobs `entries`; None: not asked) wrote."""
+        if entries is None:
+            return None
+        self.tokens += tokens
+        self.held += entries
+        if self.cut is None:
+            if all(k == "reasoning" for k, _ in pieces):
+                return []
+            self.cut = self.reply.reasoning_tokens(self.tokens, self.decode)
+            self.held = self.held[self.cut:]  # nothing was sent before the cut was known
+        out, self.held = self.held, []
+        return out
+
+
+def _final(turn: Turn, r: Request, out: Output, lp: AnswerLogprobs) -> list[dict[str, Any]]:
     """The events that end a finished request's output (its items then complete)."""
-    return out.push(turn.reply.finish()) + out.close(incomplete=r.finish_reason == "length")
+    pieces = turn.reply.finish()
+    entries = lp.take([], [] if r.logprobs is not None else None, pieces)
+    return out.push(pieces, entries) + out.close(incomplete=r.finish_reason == "length")
 
 
 async def create(api: Any, http: HTTPRequest) -> Response:
@@ -147,9 +196,10 @@ async def create(api: Any, http: HTTPRequest) -> Response:
         return Response(status_code=499)  # nobody reads it
     if ev.kind == "error":
         return error_response(500, f"the request failed: {ev.error}", kind="server_error")
-    out = Output(turn.reply.fmt is not None)
-    out.push(turn.reply.pieces(r.text), _logprobs(api, r, r.tokens, r.token_logprobs))
-    _final(turn, r, out)
+    out, lp = Output(turn.reply.fmt is not None), AnswerLogprobs(api, turn.reply)
+    pieces = turn.reply.pieces(r.text)
+    out.push(pieces, lp.take(r.tokens, _logprobs(api, r, r.tokens, r.token_logprobs), pieces))
+    _final(turn, r, out, lp)
     resp = turn.response(api, r, out.items, "incomplete" if r.finish_reason == "length" else "completed")
     turn.keep(api, resp)
     return JSONResponse(resp)
@@ -157,8 +207,10 @@ async def create(api: Any, http: HTTPRequest) -> Response:
 
 def _logprobs(api: Any, r: Request, tokens: list[int], entries: list) -> list[dict[str, Any]] | None:
     """OpenAI's per-token logprobs of `tokens` (the chat route's entries), None when the request did not ask."""
-    if r.logprobs is None or not tokens:
+    if r.logprobs is None:
         return None
+    if not tokens:
+        return []
     return logprobs.chat(api.tokenizer, tokens, entries)["content"]
 
 
@@ -167,18 +219,19 @@ def _sse_event(ev: dict[str, Any]) -> str:
 
 
 async def _sse(api: Any, turn: Turn, r: Request, events: asyncio.Queue) -> AsyncIterator[str]:
-    out = Output(turn.reply.fmt is not None)
+    out, lp = Output(turn.reply.fmt is not None), AnswerLogprobs(api, turn.reply)
     try:
         yield _sse_event(out.event("response.created", response=turn.response(api, r, [], "in_progress")))
         yield _sse_event(out.event("response.in_progress", response=turn.response(api, r, [], "in_progress")))
         while True:
             ev = await events.get()
             if ev.kind == "tokens":
-                lp = _logprobs(api, r, ev.tokens, ev.logprobs or [])
-                for e in out.push(turn.reply.pieces(ev.text) if ev.text else [], lp):
+                pieces = turn.reply.pieces(ev.text) if ev.text else []
+                entries = lp.take(ev.tokens, _logprobs(api, r, ev.tokens, ev.logprobs or []), pieces)
+                for e in out.push(pieces, entries):
                     yield _sse_event(e)
             elif ev.kind == "done":
-                for e in _final(turn, r, out):
+                for e in _final(turn, r, out, lp):
                     yield _sse_event(e)
                 status = "incomplete" if r.finish_reason == "length" else "completed"
                 resp = turn.response(api, r, out.items, status)
@@ -223,4 +276,4 @@ async def delete(api: Any, http: HTTPRequest) -> Response:
     return JSONResponse({"id": rid, "object": "response.deleted", "deleted": True})
 
 
-__all__ = ["Turn", "create", "delete", "input_tokens", "retrieve", "store_of", "usage"]
+__all__ = ["AnswerLogprobs", "Turn", "create", "delete", "input_tokens", "retrieve", "store_of", "usage"]

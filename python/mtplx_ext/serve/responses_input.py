@@ -9,9 +9,10 @@ naming the Responses field (`input[2].content[0]`, `tools[1].type`,
 `text.format`), not the chat field it was translated into, so a client sees
 its own mistake.
 
-Fields this server cannot honour (`background: true`, hosted tools,
-`include` values other than the text's logprobs, `reasoning` with an
-effort, ...) are refused by
+`reasoning: {effort, summary}` is the chat route's `reasoning_effort`
+(`reasoning_options`: the same template arguments and budget). Fields this
+server cannot honour (`background: true`, hosted tools, `include` values
+other than the text's logprobs, ...) are refused by
 `check_unsupported` rather than ignored; fields that ask for nothing here
 (`store`, `metadata`, `user`, `prompt_cache_key`, `safety_identifier`,
 `truncation: "disabled"`) are accepted.
@@ -23,7 +24,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from mtplx_ext.serve import params, tools
+from mtplx_ext.serve import params, reasoning, tools
 from mtplx_ext.serve.errors import BadRequest
 
 #: Roles an input message may have.
@@ -42,10 +43,6 @@ def _absent(v: Any) -> bool:
     return v is None
 
 
-def _no_reasoning(v: Any) -> bool:
-    return v is None or (isinstance(v, dict) and all(x is None for x in v.values()))
-
-
 #: Fields refused (400 naming the field) unless their value asks for nothing.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "background": (lambda v: v is None or v is False, "background responses are not supported"),
@@ -59,14 +56,17 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "access_programs": (_absent, "access_programs is not supported"),
     "prompt_cache_options": (_absent, "prompt_cache_options is not supported"),
     "prompt_cache_retention": (lambda v: v in (None, "in_memory"), 'prompt_cache_retention must be "in_memory"'),
-    "reasoning": (_no_reasoning, "reasoning is not supported: this server has no reasoning controls for the model"),
     "truncation": (lambda v: v in (None, "disabled"), 'truncation "auto" is not supported (the prompt must fit)'),
     "service_tier": (lambda v: v in (None, "auto", "default"), 'service_tier must be "auto" or "default"'),
     "n": (lambda v: v in (None, 1), "n must be 1"),
 }
+#: `reasoning.summary` values (OpenAI's): accepted, and answered with `summary: []` (no summaries are written).
+SUMMARIES = ("auto", "concise", "detailed")
+#: The chat route's reasoning extensions a Responses body may carry too (`reasoning.openai_options` reads them).
+REASONING_FIELDS = ("enable_thinking", "thinking_token_budget", "chat_template_kwargs")
 #: Chat-route names a Responses body must not use (it has its own).
 CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-              "response_format": "text.format"}
+              "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def check_unsupported(body: dict) -> None:
@@ -145,8 +145,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     string or text-part content; `function_call` (consecutive calls, and the
     assistant text before them, make one assistant turn with `tool_calls`, as
     chat templates render them); `function_call_output` (a `tool` message);
-    `reasoning` items of earlier replies are dropped, as the chat templates of
-    reasoning families drop earlier turns' thinking. `developer` messages
+    `reasoning` items (their `reasoning_text` content) become the
+    `reasoning_content` of the assistant turn after them, as the chat route's
+    history carries it (the template renders or drops it; a summary or
+    encrypted content alone gives nothing to render). `developer` messages
     become `system` ones: chat templates know that role.
     """
     if isinstance(value, str):
@@ -156,18 +158,34 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise BadRequest("input must be a string or a list of input items", "input")
     out: list[dict[str, Any]] = []
+    thought: list[str] = []  # reasoning items waiting for the assistant turn they precede
+
+    def turn(content: str) -> dict[str, Any]:
+        """A new assistant message, carrying the reasoning before it."""
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if thought:
+            msg["reasoning_content"] = "\n\n".join(thought)
+            thought.clear()
+        out.append(msg)
+        return msg
+
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise BadRequest(f"{where} must be an object", where)
         kind = item.get("type", "message" if "role" in item else None)
+        if thought and kind not in ("reasoning", "function_call") and item.get("role") != "assistant":
+            turn("")  # reasoning with no reply after it (a reply cut inside its reasoning)
         if kind == "message":
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise BadRequest(f"{where}.role must be one of {', '.join(INPUT_ROLES)}; got {role!r}",
                                  f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
-                        "content": _text(item.get("content"), f"{where}.content", role)})
+            text = _text(item.get("content"), f"{where}.content", role)
+            if role == "assistant":
+                turn(text)
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
         elif kind == "function_call":
             name, call_id = item.get("name"), item.get("call_id")
             if not isinstance(name, str) or not name:
@@ -176,23 +194,43 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 raise BadRequest(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": _arguments(item, where)}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and not thought:
                 last.setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                turn("")["tool_calls"] = [call]
         elif kind == "function_call_output":
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str) or not call_id:
                 raise BadRequest(f"{where}.call_id must be a non-empty string", f"{where}.call_id")
             out.append({"role": "tool", "tool_call_id": call_id, "content": _text(output, f"{where}.output", "tool")})
         elif kind == "reasoning":
-            continue
+            text = _reasoning_text(item, where)
+            if text:
+                thought.append(text)
         else:
             raise BadRequest(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
                              "function_call_output)", f"{where}.type")
+    if thought:
+        turn("")
     if not out:
         raise BadRequest("input holds no messages", "input")
     return out
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's `reasoning_text` parts, joined ("" when it has none: a summary is not the reasoning)."""
+    content = item.get("content")
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+    out = []
+    for j, p in enumerate(content):
+        pw = f"{where}.content[{j}]"
+        if not isinstance(p, dict) or p.get("type") != "reasoning_text" or not isinstance(p.get("text"), str):
+            raise BadRequest(f"{pw} must be a reasoning_text part with its text", pw)
+        out.append(p["text"])
+    return "".join(out)
 
 
 def lead_system(messages: list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
@@ -267,6 +305,49 @@ def response_format(body: dict) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
 
 
+def reasoning_options(body: dict) -> tuple[reasoning.Thinking, dict[str, Any]]:
+    """The body's `reasoning` as the chat route's `Thinking`, and the `reasoning` object its response echoes.
+
+    `effort` is the chat route's `reasoning_effort` (`reasoning.openai_options`:
+    "none" turns thinking off, the others on with their budget, and the value
+    reaches the template), so both routes steer a model alike; the chat
+    route's `enable_thinking`, `thinking_token_budget` and
+    `chat_template_kwargs` are read too (extensions). `summary` (or its
+    deprecated name `generate_summary`) takes OpenAI's values and is accepted,
+    but no summary is written: the reasoning item carries the whole text.
+    `context` other than "auto" and `mode` other than "standard" ask for what
+    this server does not do (the template decides which earlier reasoning it
+    renders) and are refused.
+    """
+    r = body.get("reasoning")
+    r = {} if r is None else r
+    if not isinstance(r, dict):
+        raise BadRequest("reasoning must be an object", "reasoning")
+    extra = sorted(set(r) - {"effort", "summary", "generate_summary", "context", "mode"})
+    if extra:
+        raise BadRequest(f"reasoning.{extra[0]} is not supported", f"reasoning.{extra[0]}")
+    effort = r.get("effort")
+    if effort is not None and effort not in reasoning.EFFORT_BUDGET:
+        raise BadRequest(f"reasoning.effort must be one of {', '.join(reasoning.EFFORT_BUDGET)}, got {effort!r}",
+                         "reasoning.effort")
+    for name in ("summary", "generate_summary"):
+        if r.get(name) not in (None, *SUMMARIES):
+            raise BadRequest(f"reasoning.{name} must be one of {', '.join(SUMMARIES)}", f"reasoning.{name}")
+    if r.get("context") not in (None, "auto"):
+        raise BadRequest('reasoning.context must be "auto" (the chat template decides which earlier reasoning it '
+                         "renders)", "reasoning.context")
+    if r.get("mode") not in (None, "standard"):
+        raise BadRequest('reasoning.mode must be "standard"', "reasoning.mode")
+    chat = {k: body[k] for k in REASONING_FIELDS if k in body}
+    if effort is not None:
+        chat["reasoning_effort"] = effort
+    th = reasoning.openai_options(chat)
+    if th.field == "reasoning_effort":
+        th.field = "reasoning.effort"
+    summary = r.get("summary") if r.get("summary") is not None else r.get("generate_summary")
+    return th, {"effort": effort, "summary": summary}
+
+
 def sampling(body: dict, default_max: int | None) -> dict[str, Any]:
     """The chat route's sampling fields of a Responses body, with `max_output_tokens` as its `max_tokens`.
 
@@ -288,4 +369,5 @@ def sampling(body: dict, default_max: int | None) -> dict[str, Any]:
 
 
 __all__ = ["CHAT_NAMES", "DEFAULT_MAX_OUTPUT_TOKENS", "INPUT_ROLES", "LOGPROBS", "SAMPLING_FIELDS", "TEXT_PARTS",
-           "UNSUPPORTED", "chat_tools", "check_unsupported", "input_messages", "lead_system", "response_format", "sampling"]
+           "REASONING_FIELDS", "SUMMARIES", "UNSUPPORTED", "chat_tools", "check_unsupported", "input_messages",
+           "lead_system", "reasoning_options", "response_format", "sampling"]

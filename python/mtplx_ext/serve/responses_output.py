@@ -10,12 +10,17 @@ and, at the same time, the server-sent events that build them:
 `sequence_number`. A non-streaming response pushes every piece through the
 same `Output` and keeps only its items, so the two can never disagree.
 
+Reasoning (`("reasoning", str)` pieces: the model's thinking, split off by
+`Reply`) becomes one `reasoning` item first, as OpenAI's open-weight
+models' servers return it: `summary: []` (no summaries are written) and the
+text as `content: [{"type": "reasoning_text", "text"}]`, streamed as
+`response.output_item.added`, `response.content_part.added`,
+`response.reasoning_text.delta` / `.done`, `response.content_part.done`,
+`response.output_item.done`; it closes when the answer's first piece comes.
 Text becomes an assistant `message` item with one `output_text` part; each
 call becomes a `function_call` item (its arguments sent whole, as the call
 is parsed once complete). When tool calls are parsed, whitespace-only text
-between calls opens no message (as the chat route's null content). A
-new kind of piece (a `reasoning` item, once the model's thinking is split
-out of its text) is one more branch of `push`.
+between calls opens no message (as the chat route's null content).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Output:
         self.items: list[dict[str, Any]] = []
         self.seq = 0
         self.msg: dict[str, Any] | None = None  # the message item still open, if any
+        self.thought: dict[str, Any] | None = None  # the reasoning item still open, if any
         self.pending = ""  # whitespace held until text follows it (calls parsed, no message open)
         self.lp: list[dict[str, Any]] = []  # token logprobs not sent yet: they go with the next text delta
 
@@ -62,19 +68,23 @@ class Output:
         self.lp += logprobs or []
         out: list[dict[str, Any]] = []
         for kind, p in pieces:
+            if kind == "reasoning":
+                out += self._reason(p)
+                continue
+            out += self._close_reasoning("completed")
             if kind == "text":
                 out += self._text(p)
             elif kind == "call":
                 out += self._close_message("completed")
                 self.pending = ""
                 out += self._call(p)
-            else:  # pragma: no cover - the reply yields text and calls only
+            else:  # pragma: no cover - the reply yields reasoning, text and calls only
                 raise ValueError(f"unknown reply piece {kind!r}")
         return out
 
     def close(self, incomplete: bool = False) -> list[dict[str, Any]]:
         """The events that finish the output (an empty message when the reply produced no item)."""
-        out: list[dict[str, Any]] = []
+        out = self._close_reasoning("incomplete" if incomplete else "completed")
         if self.msg is None and not self.items:
             out += self._open_message(self.pending)
         self.pending = ""
@@ -85,6 +95,40 @@ class Output:
         return out
 
     # -- items --------------------------------------------------------------------
+
+    def _reason(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        out: list[dict[str, Any]] = []
+        if self.thought is None:
+            self.thought = {"id": _id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
+                            "content": []}
+            self.items.append(self.thought)
+            index = len(self.items) - 1
+            out.append(self.event("response.output_item.added", output_index=index, item=_copy(self.thought)))
+            self.thought["content"].append({"type": "reasoning_text", "text": ""})
+            out.append(self.event("response.content_part.added", item_id=self.thought["id"], output_index=index,
+                                  content_index=0, part={"type": "reasoning_text", "text": ""}))
+        part = self.thought["content"][0]
+        part["text"] += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.thought["id"],
+                              output_index=self.items.index(self.thought), content_index=0, delta=text))
+        return out
+
+    def _close_reasoning(self, status: str) -> list[dict[str, Any]]:
+        if self.thought is None:
+            return []
+        item, self.thought = self.thought, None
+        index = self.items.index(item)
+        part = item["content"][0]
+        item["status"] = status
+        return [
+            self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                       text=part["text"]),
+            self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                       part=dict(part)),
+            self.event("response.output_item.done", output_index=index, item=_copy(item)),
+        ]
 
     def _text(self, text: str) -> list[dict[str, Any]]:
         if not text:
@@ -151,8 +195,16 @@ class Output:
         return out
 
 
-def _copy(msg: dict[str, Any]) -> dict[str, Any]:
-    return {**msg, "content": [{**p, "logprobs": list(p["logprobs"])} for p in msg["content"]]}
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """A snapshot of a message or reasoning item (its parts and their logprobs copied, not shared)."""
+    return {**item, "content": [{**p, "logprobs": list(p["logprobs"])} if "logprobs" in p else dict(p)
+                                for p in item["content"]]}
+
+
+def reasoning_text(items: list[dict[str, Any]]) -> str:
+    """The text of the output's reasoning items, joined."""
+    return "".join(p["text"] for it in items if it["type"] == "reasoning" for p in it.get("content") or []
+                   if p["type"] == "reasoning_text")
 
 
 def output_text(items: list[dict[str, Any]]) -> str:
@@ -161,4 +213,4 @@ def output_text(items: list[dict[str, Any]]) -> str:
                    if p["type"] == "output_text")
 
 
-__all__ = ["Output", "output_text"]
+__all__ = ["Output", "output_text", "reasoning_text"]

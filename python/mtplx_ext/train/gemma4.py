@@ -38,7 +38,7 @@ from mlx.utils import tree_flatten
 
 from mtplx_ext import _blas
 from mtplx_ext.checkpoints import load, read_tokenizer
-from mtplx_ext.decode import generate_greedy_batched
+from mtplx_ext.batching import generate_greedy_batched
 from mtplx_ext.shipped import EOS_TOKEN, SHIPPED_MODEL
 from mtplx_ext.train import gemma4_pair as pair
 from mtplx_ext.train import gemma4_report as report

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mtplx_ext.decode import generate_greedy_batched
+from mtplx_ext.batching import generate_greedy_batched
 
 
 def prompt_windows(

@@ -242,7 +242,7 @@ def heldout_decode_acceptance(rt, held_tokens: np.ndarray, eos: int, n_prompts: 
     Depth 1 as one batch and per prompt; with `depth` > 1 also the batch
     decoded at that depth (acceptance per draft position, mean accepted length).
     """
-    from mtplx_ext.decode import generate_greedy_batched
+    from mtplx_ext.batching import generate_greedy_batched
 
     prompts = file_start_prompts(held_tokens, eos, n_prompts, prompt_len)
     res = generate_greedy_batched(rt, prompts, max_new_tokens=new_tokens, depth=1)
