@@ -126,6 +126,12 @@ def _bench(d: dict) -> list[str]:
     return out
 
 
+def _agent_turns(d: dict) -> list[str]:
+    last, size = d["rows"][-1], d["cache_bytes"]
+    return [f"turn {last['turn']} TTFT {last['speedup']:.1f}x with the prefix cache, same replies {d['same_replies']}",
+            f"cache {size['ratio']:.2f}x the last prompt's KV", f"after a restart {d['restart_speedup']:.1f}x"]
+
+
 def _grammar_choice(d: dict) -> list[str]:
     out = []
     for name, e in d.get("engines", {}).items():
@@ -139,6 +145,7 @@ def _grammar_choice(d: dict) -> list[str]:
 HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "long_context.py": _long_context, "llama_cpp_peer.py": _llama_cpp_peer, "serve_load.py": _serve_load,
     "depth_sweep.py": _depth_sweep, "mtplx-ext bench": _bench, "grammar_choice.py": _grammar_choice,
+    "agent_turns.py": _agent_turns,
 }
 
 

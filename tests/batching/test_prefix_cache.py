@@ -10,6 +10,7 @@ import pytest
 import mtplx_ext
 from mtplx_ext import SamplerConfig
 from mtplx_ext.batching import Engine
+from mtplx_ext.batching.prefix_blocks import Node
 from _greedy import check_stream, reference
 
 MB = 1 << 20
@@ -51,8 +52,9 @@ def test_a_broken_resume_is_caught_by_the_same_comparison(shipped, rng, monkeypa
 
     real = prefix_cache.PrefixCache.load
 
-    def half(entry, m, cache_lists, capacity):
-        real(entry, m // 2, cache_lists, capacity)  # positions m // 2..m - 1 missing; the forward resumes at m
+    def half(plan, cache_lists, capacity):
+        # Positions m // 2..m - 1 missing; the forward resumes at m.
+        real(prefix_cache.Plan(plan.nodes, plan.m // 2, plan.state), cache_lists, capacity)
 
     monkeypatch.setattr(prefix_cache.PrefixCache, "load", staticmethod(half))
     eng = Engine(shipped, max_batch=1, depth=2, prefix_cache_bytes=64 * MB)
@@ -83,24 +85,27 @@ def test_sampled_requests_sharing_a_prefix_at_once_equal_their_alone_tokens(ship
     assert [r.tokens for r in got] == alone
 
 
-def test_entries_are_evicted_least_recently_used_within_the_cap(shipped, rng):
+def test_blocks_are_evicted_least_recently_used_within_the_cap(shipped, rng):
     V = shipped.vocab_size
     eng = Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=1)  # room for nothing
     _run(eng, (rng.integers(0, V, 40).tolist(), dict(max_tokens=2)))
-    assert eng.metrics()["prefix_entries"] == 0
+    assert eng.metrics()["prefix_entries"] == 0 and eng.metrics()["prefix_bytes"] == 0
     probe = Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=64 * MB)
-    p1 = rng.integers(0, V, 40).tolist()
-    _run(probe, (p1, dict(max_tokens=2)))
-    per_entry = probe.metrics()["prefix_bytes"] // probe.metrics()["prefix_entries"]
-    eng = Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=int(per_entry * 2.5))
+    _run(probe, (rng.integers(0, V, 40).tolist(), dict(max_tokens=1)))  # one prompt's blocks
+    per_prompt = probe.metrics()["prefix_bytes"]
+    cap = int(per_prompt * 2.5)
+    eng = Engine(shipped, max_batch=1, depth=1, prefix_cache_bytes=cap)
     prompts = [rng.integers(0, V, 40).tolist() for _ in range(3)]
-    for p in prompts:  # each request stores its prompt at prefill and prompt + reply when done
-        _run(eng, (p, dict(max_tokens=2)))
+    for p in prompts:
+        _run(eng, (p, dict(max_tokens=1)))
     m = eng.metrics()
-    assert m["prefix_bytes"] <= int(per_entry * 2.5) and m["prefix_evictions"] > 0
-    assert eng.prefix.lookup(prompts[0] + [1, 2, 3]) == (None, 0)  # the oldest is gone
-    entry, m = eng.prefix.lookup(prompts[2] + [1, 2, 3])  # the newest is there
-    assert entry is not None and m >= len(prompts[2]) - 1
+    assert m["prefix_bytes"] <= cap and m["prefix_evictions"] > 0
+    before = _prefilled(eng)
+    _run(eng, (prompts[0] + [1, 2, 3], dict(max_tokens=1)))  # the oldest is (partly) gone: more to prefill
+    oldest = _prefilled(eng) - before
+    before = _prefilled(eng)
+    _run(eng, (prompts[2] + [1, 2, 3], dict(max_tokens=1)))  # the newest is all there
+    assert _prefilled(eng) - before <= 4 < oldest  # (3 when token 1 is the first token it decoded)
 
 
 @pytest.mark.parametrize("kv_bits", [8, 4])
@@ -115,5 +120,5 @@ def test_a_resumed_turn_over_quantized_kv_decodes_what_plain_decoding_at_those_b
     assert eng.metrics()["prefix_hits"] == 1
     want = mtplx_ext.generate_greedy_batched(shipped, [turn], max_new_tokens=20, use_mtp_draft=False, kv_bits=kv_bits)
     assert second.tokens == want.streams[0].tokens
-    entry = next(iter(eng.prefix._entries.values()))
-    assert all(len(parts) == 6 and parts[0].dtype == mx.uint32 for parts in entry.kv)
+    nodes = [n for n in eng.prefix.ram.items.values() if isinstance(n, Node)]
+    assert nodes and all(len(parts) == 6 and parts[0].dtype == mx.uint32 for n in nodes for parts in n.kv)

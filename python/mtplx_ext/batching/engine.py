@@ -55,8 +55,9 @@ class Engine(PrefillPhase):
             the runtime's).
         context: most prompt + generated tokens of one request (default:
             the model's `max_position_embeddings`).
-        prefix_cache_bytes: most bytes of prompt KV kept for later prompts
-            that start alike (`prefix_cache.PrefixCache`; 0: off).
+        prefix_cache_bytes: most bytes of prompt caches kept for later prompts
+            that start alike (`prefix_cache.PrefixCache`; 0: off); prefix_cache_dir, prefix_cache_disk_bytes,
+            prefix_block_tokens: its disk tier (kept across restarts), the tier's cap, the slots of its blocks.
         kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
 
     Raises:
@@ -77,6 +78,7 @@ class Engine(PrefillPhase):
         tokenizer: Any = None,
         context: int | None = None,
         prefix_cache_bytes: int = 0,
+        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 4 << 30, prefix_block_tokens: int = 32,
         kv_bits: int | None = None, kv_group_size: int = 64,
     ):
         self.rt = runtime
@@ -91,7 +93,8 @@ class Engine(PrefillPhase):
         self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
                                    else self.max_batch * admission.capacity(self.context), lo=1)
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
-        self.prefix = PrefixCache(as_int("prefix_cache_bytes", prefix_cache_bytes, lo=0))
+        self.prefix = PrefixCache.for_runtime(runtime, prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes,
+                                              prefix_block_tokens)
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
@@ -172,6 +175,7 @@ class Engine(PrefillPhase):
             return
         self._thread.stop(timeout, reason)
         self._thread = None
+        self.prefix.flush()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -263,10 +267,8 @@ class Engine(PrefillPhase):
             live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
         depth_for = self._depths if self._depths else (lambda rows: self.depth)
         plan = plan_batch(live, ready, True, self.mtp, depth_for)
-        if self._prefix_ok and self._batch is not None:  # finished replies, for the next turn's prompt
-            for i, r in enumerate(self._live):
-                if r.finish_reason in ("stop", "length"):
-                    self.prefix.store(r.prompt + r.tokens, self._batch.caches(), i)
+        if self._batch is not None:  # finished replies, for the next turn's prompt
+            self.prefix.store_finished(self._live, self._batch.caches())
         new = [self._ready[i] for i in plan.join]
         reqs = [self._live[i] for i in plan.keep] + new
         self._ready = []

@@ -99,7 +99,8 @@ class PrefillPhase:
                 n += 1
             work, reqs = works[0], [self._waiting[i] for i in range(n)]  # the plan follows the queue
             del works[:n]
-            hits = [self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0) for r in reqs] if n > 1 else [None]
+            hits = [None if self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp) else (None, 0)
+                    for r in reqs] if n > 1 else [None]  # (None: a hit, prefilled alone)
             together = [r for r, hit in zip(reqs, hits) if hit is not None and hit[0] is None]
             for r, hit in zip(reqs, hits):  # alone: a request's next chunks, or a group's prefix-cache hits
                 if r not in together:
@@ -121,6 +122,7 @@ class PrefillPhase:
                 try:
                     next(gen)
                     r.prefill_pos += tokens
+                    self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
                 except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
                     self._waiting.remove(r)
                     self._finish_prefill(r, cyc, *done.value)
@@ -156,11 +158,7 @@ class PrefillPhase:
         k = self._prefill_depth(1)
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
-        if hit is None:
-            hit = self.prefix.lookup(r.prompt) if self._prefix_ok else (None, 0)
-        entry, r.prefill_from = hit
-        if entry is not None:
-            self.prefix.load(entry, r.prefill_from, cyc.caches(), cap)
+        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok and hit is None else 0
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
@@ -169,8 +167,7 @@ class PrefillPhase:
         """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
         r.prefill, x0 = None, int(np.array(tokens)[0, 0])
         if grouped is None:
-            if self._prefix_ok:  # the prompt's positions and the pair of its last one with x0
-                self.prefix.store(r.prompt + [x0], cyc.caches())
+            self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
             r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
         else:  # (its prompt is stored with its reply when it finishes)
             r.row, r.row_index = grouped

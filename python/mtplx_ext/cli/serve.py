@@ -14,6 +14,22 @@ from mtplx_ext.serve import limits
 from mtplx_ext.shipped import SHIPPED_MODEL
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """--prefix-cache-disk-bytes: bytes, or a number with K, M, G or T (powers of 1024; "B" / "iB" may follow)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNITS and t[-1:] else ""
+    try:
+        v = float(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prefix-cache-disk-bytes must be a size like 4G or 500M, got {text!r}") from None
+    if not 0 <= v < 1 << 60:
+        raise argparse.ArgumentTypeError(f"--prefix-cache-disk-bytes must be >= 0, got {text!r}")
+    return int(v)
+
+
 def add_parser(sub: Any) -> None:
     """Adds the `serve` verb to the dispatcher's subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible server with continuous MTP batching")
@@ -32,6 +48,10 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--prefill-chunk", type=positive("--prefill-chunk"), default=limits.DEFAULT_PREFILL_CHUNK)
     s.add_argument("--prefix-cache-mb", type=int, default=limits.DEFAULT_PREFIX_CACHE_MB,
                    help="MiB of prompt KV kept for later prompts that start alike (0: off)")
+    s.add_argument("--prefix-cache-dir", metavar="DIR",
+                   help="also keep the prefix cache's blocks in DIR, across restarts (default: RAM only)")
+    s.add_argument("--prefix-cache-disk-bytes", type=byte_size, default=limits.DEFAULT_PREFIX_CACHE_DISK_BYTES,
+                   metavar="SIZE", help="most bytes of files in --prefix-cache-dir, e.g. 4G or 500M (default 4G)")
     s.add_argument("--api-key", help="require Authorization: Bearer KEY")
     s.add_argument("--shutdown-grace", type=float, default=limits.DEFAULT_SHUTDOWN_GRACE_S,
                    help="seconds requests in flight get to finish after SIGINT / SIGTERM before they are ended "
@@ -78,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             parallel.agree_depth(dist, rt, [args.max_batch])
         serve(rt, folder, max_batch=args.max_batch, depth=args.depth, use_mtp=not args.no_mtp,
               api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,
-              prefix_cache_bytes=args.prefix_cache_mb << 20, sock=sock, shutdown_grace=args.shutdown_grace,
+              prefix_cache_bytes=args.prefix_cache_mb << 20, prefix_cache_dir=args.prefix_cache_dir,
+              prefix_cache_disk_bytes=args.prefix_cache_disk_bytes, sock=sock, shutdown_grace=args.shutdown_grace,
               max_body_bytes=int(args.max_body_mb * (1 << 20)), reasoning_markers=args.reasoning_markers,
               group=None if dist is None else dist.group, watchdog=None if dist is None else dist.watchdog)
     except ValueError as e:

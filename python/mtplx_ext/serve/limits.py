@@ -11,10 +11,13 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 256
 #: MiB of prompt KV the prefix cache keeps for later prompts that start alike.
 DEFAULT_PREFIX_CACHE_MB = 256
+#: Most bytes of prefix-cache files kept in `--prefix-cache-dir`.
+DEFAULT_PREFIX_CACHE_DISK_BYTES = 4 << 30
 #: Seconds requests in flight get to finish after SIGINT / SIGTERM.
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 #: Most bytes of a request body (a long prompt is well under a MiB).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 
-__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFIX_CACHE_MB",
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_PREFILL_CHUNK", "DEFAULT_PREFIX_CACHE_DISK_BYTES",
+           "DEFAULT_PREFIX_CACHE_MB",
            "DEFAULT_SHUTDOWN_GRACE_S"]

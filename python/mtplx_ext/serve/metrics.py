@@ -97,7 +97,7 @@ PREFIX_HELP = {
 #: Prefix-cache tiers a `prefix_*` key may name (`prefix_<tier>_<what>` or `prefix_<what>_<tier>`); else "ram".
 TIERS = ("ram", "disk")
 #: Prefix-cache numbers that are levels, not counts (the rest are counters; `*_rate` ratios are left out).
-PREFIX_GAUGES = ("entries", "bytes", "max_bytes")
+PREFIX_GAUGES = ("entries", "states", "bytes", "max_bytes")
 
 
 def _number(v: Any) -> bool:

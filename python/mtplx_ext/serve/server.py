@@ -120,6 +120,8 @@ def build_api(
     group: Any = None,
     watchdog: Any = None,
     reasoning_markers: Any = "auto",
+    prefix_cache_dir: str | Path | None = None,
+    prefix_cache_disk_bytes: int = limits.DEFAULT_PREFIX_CACHE_DISK_BYTES,
 ) -> API:
     """The `API` that `serve` serves: a new engine over `runtime` (not started yet) and `folder`'s chat template.
 
@@ -130,6 +132,10 @@ def build_api(
     """
     kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
                   prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    if prefix_cache_dir is not None:
+        if group is not None:  # the ranks' caches must decide alike; a disk tier each would not
+            raise ValueError("prefix_cache_dir is not supported with a distributed group")
+        kwargs.update(prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     if group is not None:
         engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
     else:
@@ -182,6 +188,8 @@ def serve(
     group: Any = None,
     watchdog: Any = None,
     reasoning_markers: Any = "auto",
+    prefix_cache_dir: str | Path | None = None,
+    prefix_cache_disk_bytes: int = limits.DEFAULT_PREFIX_CACHE_DISK_BYTES,
 ) -> None:
     """Serves `runtime` until SIGINT / SIGTERM; the engine's thread runs every MLX call.
 
@@ -207,7 +215,8 @@ def serve(
     api = build_api(runtime, folder, max_batch=max_batch, depth=depth, use_mtp=use_mtp, api_key=api_key,
                     model_name=model_name, max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes, max_body_bytes=max_body_bytes, group=group,
-                    watchdog=watchdog, reasoning_markers=reasoning_markers)
+                    watchdog=watchdog, reasoning_markers=reasoning_markers, prefix_cache_dir=prefix_cache_dir,
+                    prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     sock = sock if sock is not None else bind(host, port)
     try:
         with started(api, warm=warm, log=log):

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from mtplx_ext.batching import Engine
-from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.decode.results import BatchedDecodeResult
 from mtplx_ext.sampling import SamplerConfig
 
@@ -56,6 +55,7 @@ def warm_up(engine: Engine) -> tuple[float, str]:
     """Runs the warm-up rounds on a started engine; returns (seconds taken, what was warmed)."""
     t0 = time.perf_counter()
     rng = np.random.default_rng()
+    engine.prefix.disk_writes = False  # warm-up prompts are not worth a file
     for sampler in _KINDS.values():
         for rows in sorted({1, engine.max_batch}):
             _round(engine, sampler, rows, rng)
@@ -63,7 +63,7 @@ def warm_up(engine: Engine) -> tuple[float, str]:
     for k in engine.counters:
         engine.counters[k] = 0
     engine.stats = BatchedDecodeResult(depth=engine.stats.depth)
-    engine.prefix = PrefixCache(engine.prefix.max_bytes, engine.prefix.min_tokens)
+    engine.prefix.reset()  # (writes to its disk tier again)
     what = f"{', '.join(_KINDS)} at batch " + " and ".join(str(b) for b in sorted({1, engine.max_batch}))
     return time.perf_counter() - t0, what
 
