@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import BatchKVCache
 
 import mtplx_ext
-from mtplx_ext import generate_batched, generate_greedy_batched
+# The compiled steps as the reference loop builds, grows and keeps them (the engine's batches: tests/batching).
+from mtplx_ext.decode import generate_greedy_reference as generate_greedy_batched
+from mtplx_ext.decode import generate_reference as generate_batched
 from mtplx_ext.cache import rollback as cache_state
 from mtplx_ext.cache.compiled_step import CompiledStep
 from _ragged import fresh_seed, ragged_batch
