@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 from _engine import KeyedHead, drive, random_prompt, sampled_arrivals
 from _greedy import _runtime, check_stream, reference
@@ -33,11 +32,6 @@ from mtplx_ext.batching import Engine
 FAMILIES = ["qwen3_next", "qwen3_5"]
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**63)
-    print(f"rng seed {seed}")
-    return np.random.default_rng(seed)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,84 @@
+"""Fixed batches on the engine (`generate_batched`) against the reference loop, side by side.
+
+For each model, batch size and decoding mode (plain, MTP at the K
+depth="auto" picks for that batch here), decodes the bench prompts with
+`mtplx_ext.generate_batched` (the engine: one group prefill, the engine's
+cycle) and `mtplx_ext.decode.generate_reference` (the loop fixed batches ran
+before) back to back in each round, the order alternating; reports medians
+of end-to-end tokens/s (wall time of the call, prefill included) and of the
+per-round ratio engine / reference. Every round checks both give the same
+tokens (greedy).
+
+Run: python bench/scripts/fixed_batches.py [--model shipped|FOLDER ...] [--batch 1,8] [--tokens 64]
+     [--rounds 5] [--json bench/results/fixed_batches.json]
+"""
+
+from __future__ import annotations
+
+import mtplx_ext  # noqa: F401  (first: loads the fast BLAS before mlx.core)
+
+import argparse
+import json
+import statistics
+import time
+
+from mtplx_ext import benchmark
+from mtplx_ext.benchmark.provenance import provenance
+from mtplx_ext.decode import generate_greedy_reference
+from mtplx_ext.decode.generate import auto_depth
+from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL
+
+
+def run(rt, prompts, tokens: int, mtp: bool, depth: int, engine: bool) -> tuple[float, list[list[int]]]:
+    f = mtplx_ext.generate_greedy_batched if engine else generate_greedy_reference
+    t = time.perf_counter()
+    r = f(rt, prompts, max_new_tokens=tokens, use_mtp_draft=mtp, depth=depth)
+    wall = time.perf_counter() - t
+    return r.generated_tokens / wall, [s.tokens for s in r.streams]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", nargs="+", default=["shipped"])
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows = []
+    print("| model | batch | decoding | reference tok/s | engine tok/s | engine / reference | same tokens |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for name in args.model:
+        folder = SHIPPED_MODEL if name == "shipped" else name
+        rt = mtplx_ext.load(folder)
+        for batch in (int(b) for b in args.batch.split(",")):
+            prompts = [rt.tokenizer.encode(BENCH_PROMPTS[i % len(BENCH_PROMPTS)]).ids for i in range(batch)]
+            k = auto_depth(rt, batch)
+            for mtp in (False, True):
+                if mtp and k == 0:
+                    continue
+                tps: dict[bool, list[float]] = {True: [], False: []}
+                same = True
+                for r in range(args.rounds + 1):  # round 0 warms up (traces, kernels)
+                    outs = {}
+                    for engine in ((True, False) if r % 2 else (False, True)):
+                        t, outs[engine] = run(rt, prompts, args.tokens, mtp, max(k, 1), engine)
+                        if r:
+                            tps[engine].append(t)
+                    same &= outs[True] == outs[False]
+                ratio = statistics.median(e / f for e, f in zip(tps[True], tps[False]))
+                row = {"model": name, "batch": batch, "mtp": mtp, "depth": k if mtp else 0,
+                       "reference_tps": statistics.median(tps[False]), "engine_tps": statistics.median(tps[True]),
+                       "ratio": ratio, "same_tokens": same}
+                rows.append(row)
+                print(f"| {name} | {batch} | {'MTP K=' + str(k) if mtp else 'plain'} | {row['reference_tps']:.1f} | "
+                      f"{row['engine_tps']:.1f} | {ratio:.2f} | {'yes' if same else 'NO'} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "tokens": args.tokens, "rounds": args.rounds, "versions": benchmark.versions(),
+                       "provenance": provenance([SHIPPED_MODEL if m == "shipped" else m for m in args.model])},
+                      f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
