@@ -142,10 +142,16 @@ def _grammar_choice(d: dict) -> list[str]:
     return out
 
 
+def _fixed_batches(d: dict) -> list[str]:
+    return [f"{Path(r['model']).name} b{r['batch']} {'K=' + str(r['depth']) if r['mtp'] else 'plain'}: engine "
+            f"{_fmt(r['engine_tps'])} / reference {_fmt(r['reference_tps'])} tok/s ({r['ratio']:.2f}x)"
+            f"{'' if r['same_tokens'] else ', TOKENS DIFFER'}" for r in d.get("rows", [])]
+
+
 HEADLINES: dict[str, Callable[[dict], list[str]]] = {
     "long_context.py": _long_context, "llama_cpp_peer.py": _llama_cpp_peer, "serve_load.py": _serve_load,
     "depth_sweep.py": _depth_sweep, "mtplx-ext bench": _bench, "grammar_choice.py": _grammar_choice,
-    "agent_turns.py": _agent_turns,
+    "agent_turns.py": _agent_turns, "fixed_batches.py": _fixed_batches,
 }
 
 
