@@ -55,62 +55,10 @@ def generate_reference(
 ) -> BatchedDecodeResult:
     """Decodes a batch of prompts with K MTP drafts verified in one forward per cycle, on the reference loop.
 
-    `mtplx_ext.generate_batched` takes the same arguments (and comes here for the settings it leaves to
-    this loop).
-
-    Args:
-        runtime: an `MTPRuntime` (make_cache, make_head_cache, forward,
-            head_states, head_logits, vocab_size, has_mtp).
-        prompts: token-id lists, any lengths (left-padded into one batch;
-            padding never changes a stream's tokens).
-        max_new_tokens: cap on each stream's generated tokens (exact).
-        sampler: None or an object with `temperature` 0 for greedy
-            decoding; a `mtplx_ext.SamplerConfig` (or a list, one per
-            stream) for exact sampled speculative decoding.
-        seed, row_seeds: seeds of the sampled path (unused when greedy):
-            row_seeds gives each stream its own seed, so that its tokens do
-            not depend on the other streams of the batch; with `seed` alone,
-            stream i's seed derives from (seed, i).
-        stop_token_ids: tokens that end a stream (the stop token is kept).
-        use_mtp_draft: False decodes plainly, one token per forward (the
-            baseline), through the same runtime.
-        depth: drafts per cycle, K in 1..8: the head applied K times, then
-            one [B, K + 1] verification forward; or "auto" (the default, as
-            the CLI and the server): the K (0 = plain decoding) that decodes
-            this batch size fastest on this model and machine
-            (`mtplx_ext.decode.autodepth`: a short calibration the first
-            time, cached on disk). The result's `depth` says which. A model
-            without a head decodes plainly under "auto".
-        reject_mode: "repair": per-stream commit (each stream keeps its
-            accepted drafts, no extra forward) on attention-only trunks and
-            on GatedDeltaNet hybrids (qwen3_next, qwen3_5: the recurrent
-            state is captured at every verified position and selected per
-            stream), else uniform repair; "reforward": always the uniform
-            full-batch repair (snapshot restore, re-forward).
-        serial: True runs the plain loop; False pipelines graph building
-            and host bookkeeping with the device work. Same tokens and
-            forwards either way.
-        on_commit: called as on_commit(stream index, new token ids) when a
-            stream commits tokens.
-        enforce_eager: True builds every step's graph in Python; False
-            traces each kind of step once with `mx.compile` and replays it.
-            Same tokens either way, up to float rounding of fused
-            element-wise kernels.
-        constraints: one `engine.constraint.Constraint` (a grammar) or None
-            per stream: a constrained stream's target distribution is masked
-            at every position (MTP stays on; `engine.constraint`). The
-            constraint's stop token should be among `stop_token_ids`. Needs
-            compiled steps and per-stream commit; runs the serial loop.
-        compact_rows: True halves a batch of 4 rows or more whenever at
-            most half of its streams still decode, so finished streams stop
-            costing forwards (`engine.compaction`: greedy decoding, compiled
-            steps, the pipelined loop); False keeps every row to the end.
-            Same tokens either way.
-        kv_bits, kv_group_size: store this decode's keys and values
-            quantized (2-8 bits, groups of 32/64/128: mlx-lm's
-            `--kv-bits` layout; MTP stays exactly plain decoding at the same
-            bits); None keeps the runtime's setting (`load(kv_bits=...)`,
-            float KV by default).
+    Takes `mtplx_ext.generate_batched`'s arguments (documented there) and gives the same tokens; it runs
+    them on `decode.loop` (a fixed batch, its own compaction) instead of the engine, so that uniform repair
+    (`reject_mode="reforward"`), eager graphs (`enforce_eager=True`) and runtimes the engine cannot move rows
+    of have a loop, and the depth calibration measures bare cycles.
 
     Returns:
         A `BatchedDecodeResult`.
