@@ -65,9 +65,9 @@ def _first_two_through_a_move(rt, prompt, cfg, seeds, monkeypatch) -> np.ndarray
     decode in the full batch at K = 0: their drafts are dropped at their first cycle, which commits the token
     after the prefill's."""
     n = len(seeds)
-    # Prompts longer than a chunk prefill alone (whole ones arriving together would prefill as one group,
-    # drafting the K of the full batch: none).
-    eng = Engine(rt, max_batch=n, depth={n - 1: 2, n: 0}, prefill_chunk=max(1, len(prompt) - 1))
+    # A chunk of one prompt: each prefills alone (requests arriving together would otherwise prefill as one
+    # group, drafting the K of the full batch: none).
+    eng = Engine(rt, max_batch=n, depth={n - 1: 2, n: 0}, prefill_chunk=len(prompt))
     dropped = []
     fit = batch_mod.fit_drafts  # (the broken variant's, when the test put one in)
 

@@ -41,6 +41,13 @@ def test_whole_prompts_starting_together_prefill_as_one_group_per_policy_class()
     assert groups[5] == groups[6] not in (None, groups[0]), "a group never spans a row that goes alone"
 
 
+def test_a_group_holds_at_most_a_chunk_of_padded_tokens():
+    plan = plan_prefill([waiting(i, n) for i, n in enumerate([10, 30, 20, 20, 5])], [], False, 64, 8, 10_000)
+    groups = [c.group for c in plan.chunks]
+    # 10 + 30 padded: 2 x 30 = 60 fits 64; a third row would make 3 x 30 = 90.
+    assert groups[0] == groups[1] != groups[2] == groups[3] == groups[4], groups
+
+
 def test_while_streams_decode_a_step_forwards_one_chunk_of_prompt_tokens():
     # Short prompts go whole within the budget; a first chunk larger than what is left waits a step.
     plan = plan_prefill([waiting(0, 5), waiting(1, 5), waiting(2, 30)], [RowInfo(9, 50)], True, 16, 8, 10_000)

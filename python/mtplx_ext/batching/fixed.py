@@ -147,7 +147,7 @@ def generate_batched(
         raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     mtp = use_mtp and max_new_tokens > 1  # one token per stream is the prefill's: nothing to draft
     width = max(len(p) for p in prompts)
-    eng = Engine(runtime, max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width,
+    eng = Engine(runtime, max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
                  context=width + max_new_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
     eng.launch_ahead, eng.compact_rows = not serial, bool(compact_rows)
     reqs = []

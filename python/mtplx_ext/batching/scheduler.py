@@ -151,6 +151,7 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
     needs = [r.need for r in held]
     out: list[PrefillChunk] = []
     last_cls: str | None = None
+    size = width = 0  # the current group's rows and longest prompt
     for w in waiting:
         remaining = w.remaining
         start = remaining is None
@@ -171,8 +172,11 @@ def plan_prefill(waiting: Sequence[Waiting], held: Sequence[RowInfo], decoding: 
         group = None
         if cls is not None:
             prev = out[-1] if out else None
-            same = prev is not None and prev.group is not None and last_cls == cls
+            # A group forwards its rows padded to the longest: at most `chunk` tokens in all.
+            same = (prev is not None and prev.group is not None and last_cls == cls
+                    and (size + 1) * max(width, w.prompt) <= chunk)
             group = prev.group if same else len(out)
+            size, width = (size + 1, max(width, w.prompt)) if same else (1, w.prompt)
         last_cls = cls
         out.append(PrefillChunk(w.info.id, start, n, group))
         if remaining > 0:
