@@ -38,11 +38,11 @@ def _engines(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("sampled", [False, True])
 def test_the_engine_front_commits_the_reference_loops_tokens(rng, monkeypatch, family, kw, sampled):
     rt = _runtime(family, rng, **kw)
-    prompts = _prompts(rng, rt.vocab_size, 5)
+    prompts = _prompts(rng, rt.vocab_size, 4)
     cfg = SamplerConfig(temperature=1.3, top_p=0.95) if sampled else None
     seeds = [int(s) for s in rng.integers(0, 2**62, size=len(prompts))]
     depth = 3 if sampled else 2  # (the depth tests run every depth on the engine: tests/decode/test_depth.py)
-    args = dict(max_new_tokens=int(rng.integers(6, 16)), sampler=cfg, row_seeds=seeds, depth=depth)
+    args = dict(max_new_tokens=int(rng.integers(6, 12)), sampler=cfg, row_seeds=seeds, depth=depth)
     built = _engines(monkeypatch)
     front = mtplx_ext.generate_batched(rt, prompts, **args)
     assert built, "the front did not run on the engine"

@@ -62,4 +62,13 @@ async def final_event(receive: Callable[[], Awaitable[dict[str, Any]]], events: 
     return None
 
 
-__all__ = ["deliver", "final_event"]
+async def finished(receive: Callable[[], Awaitable[dict[str, Any]]], events: asyncio.Queue, r: Any) -> Event | None:
+    """`final_event`, with request `r` cancelled when its client went away first (then None)."""
+    try:
+        return await final_event(receive, events)
+    finally:
+        if not r.done:
+            r.cancel()
+
+
+__all__ = ["deliver", "final_event", "finished"]

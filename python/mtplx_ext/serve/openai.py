@@ -198,11 +198,7 @@ async def generate(api: Any, http: HTTPRequest, kind: str) -> Response:
     rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
     if body.get("stream", False):
         return StreamingResponse(_sse(api, r, events, rid, reply), media_type="text/event-stream")
-    try:
-        ev = await disconnect.final_event(http.receive, events)
-    finally:
-        if not r.done:  # the client went away
-            r.cancel()
+    ev = await disconnect.finished(http.receive, events, r)
     if ev is None:
         return Response(status_code=499)  # nobody reads it
     if ev.kind == "error":

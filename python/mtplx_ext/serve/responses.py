@@ -187,11 +187,7 @@ async def create(api: Any, http: HTTPRequest) -> Response:
         return e.response()
     if body.get("stream", False):
         return StreamingResponse(_sse(api, turn, r, events), media_type="text/event-stream")
-    try:
-        ev = await disconnect.final_event(http.receive, events)
-    finally:
-        if not r.done:  # the client went away
-            r.cancel()
+    ev = await disconnect.finished(http.receive, events, r)
     if ev is None:
         return Response(status_code=499)  # nobody reads it
     if ev.kind == "error":
