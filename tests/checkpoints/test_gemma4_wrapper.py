@@ -91,7 +91,3 @@ def test_a_wrapper_without_a_text_config_is_refused_naming_it(wrapped, tmp_path)
     (bad / "model.safetensors").write_bytes((w / "model.safetensors").read_bytes())
     with pytest.raises(CheckpointError, match="text_config"):
         mtplx_ext.load(bad)
-
-
-# One worker runs every Gemma 4 test module: MLX compiles their kernels once per worker (its own temp directory).
-pytestmark = pytest.mark.xdist_group("gemma4")

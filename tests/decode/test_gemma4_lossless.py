@@ -151,7 +151,3 @@ def test_a_pair_loaded_in_one_thread_decodes_in_another(tmp_path, refs):
     assert out.get("error") is None and len(out.get("tokens", [])) == N_NEW, out
     want, gaps = reference(rt, prompt, N_NEW)
     assert out["tokens"] == want or min(gaps) < 1e-3
-
-
-# One worker runs every Gemma 4 test module: MLX compiles their kernels once per worker (its own temp directory).
-pytestmark = pytest.mark.xdist_group("gemma4")

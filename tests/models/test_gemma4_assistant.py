@@ -224,7 +224,3 @@ def test_cli_refuses_a_missing_drafter_and_a_target_without_one_in_one_line(pair
     assert cli.main(["generate", "--model", str(t_path), "x"]) == 2
     err = capsys.readouterr().err
     assert "no MTP head weights" in err and "--drafter" in err and err.count("\n") == 1
-
-
-# One worker runs every Gemma 4 test module: MLX compiles their kernels once per worker (its own temp directory).
-pytestmark = pytest.mark.xdist_group("gemma4")

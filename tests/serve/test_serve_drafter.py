@@ -64,7 +64,3 @@ def test_greedy_requests_to_a_served_pair_equal_the_offline_engine_and_accept_dr
         assert got == _offline(pair, ids, N_TOKENS), text
     assert m["failed"] == 0 and m["live_streams"] == 0 and m["kv_slots"] == 0
     assert 0 < m["acceptance"] <= 1, m
-
-
-# One worker runs every Gemma 4 test module: MLX compiles their kernels once per worker (its own temp directory).
-pytestmark = pytest.mark.xdist_group("gemma4")

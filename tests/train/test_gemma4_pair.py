@@ -250,7 +250,3 @@ def test_bad_arguments_are_refused_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit):
         gemma4.parse_args(argv)
     assert flag in capsys.readouterr().err
-
-
-# One worker runs every Gemma 4 test module: MLX compiles their kernels once per worker (its own temp directory).
-pytestmark = pytest.mark.xdist_group("gemma4")
