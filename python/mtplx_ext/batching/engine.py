@@ -369,7 +369,6 @@ class Engine(PrefillPhase):
         self.stats.cycles += 1
         self.stats.forwards += 1
         self.stats.host_syncs += 1
-        self.stats.row_cycles += len(reqs)
         # Rows the forward computed, finished ones not yet evicted included.
         self.counters["row_forwards"] += len(reqs)
         for i, r in enumerate(reqs):

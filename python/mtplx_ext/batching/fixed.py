@@ -21,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from mtplx_ext._checks import as_depth, as_int, as_prompts, as_seed, as_seeds, as_stop_ids
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.requests import Event
-from mtplx_ext.cache.ragged import check_kv_quantization
 from mtplx_ext.decode import autodepth, session
 from mtplx_ext.decode.constraint import Constraint
-from mtplx_ext.decode.generate import REJECT_MODES, auto_depth, generate_reference
+from mtplx_ext.decode.generate import check_fixed_batch, generate_reference
 from mtplx_ext.decode.policies import make_policy
 from mtplx_ext.decode.results import BatchedDecodeResult, StreamResult
 from mtplx_ext.decode.streams import OnCommit
@@ -123,28 +121,14 @@ def generate_batched(
     if needs_reference(runtime, reject_mode, enforce_eager):
         return generate_reference(runtime, prompts, **args)
     t0 = time.perf_counter()
-    vocab = int(runtime.vocab_size)
-    prompts = as_prompts(prompts, vocab)
-    max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
-    seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
-    stop_ids = sorted(as_stop_ids(stop_token_ids, vocab))
-    kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
-    if reject_mode not in REJECT_MODES:
-        raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
-    if on_commit is not None and not callable(on_commit):
-        raise TypeError("on_commit must be callable or None")
-    make_policy(sampler, seed, row_seeds)  # (the sampler's checks, as the reference loop makes them)
+    a = check_fixed_batch(runtime, prompts, max_new_tokens, seed, row_seeds, stop_token_ids, use_mtp_draft, depth,
+                          reject_mode, on_commit, kv_bits, kv_group_size)
+    prompts, max_new_tokens, use_mtp, depth = a.prompts, a.max_new_tokens, a.use_mtp, a.depth
+    stop_ids = sorted(a.stop_ids)
+    make_policy(sampler, a.seed, a.row_seeds)  # (the sampler's checks, as the reference loop makes them)
     samplers = _samplers(sampler, len(prompts))
-    seeds = _row_seeds(seed, row_seeds, len(prompts))
+    seeds = _row_seeds(a.seed, a.row_seeds, len(prompts))
     constraints = _constraints(constraints, len(prompts))
-    use_mtp = bool(use_mtp_draft)
-    if depth == autodepth.AUTO:
-        with session.kv_setting(runtime, kv):
-            chosen = auto_depth(runtime, len(prompts)) if use_mtp else 1
-        use_mtp, depth = use_mtp and chosen > 0, max(chosen, 1)
-    depth = as_depth(depth)
-    if use_mtp and not runtime.has_mtp:
-        raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
     mtp = use_mtp and max_new_tokens > 1  # one token per stream is the prefill's: nothing to draft
     width = max(len(p) for p in prompts)
     eng = Engine(runtime, max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
@@ -162,6 +146,7 @@ def generate_batched(
     res = eng.stats
     res.streams = [StreamResult(list(r.tokens), r.finish_reason) for r in reqs]
     res.compiled = True
+    res.row_cycles = eng.counters["row_forwards"]
     t1 = max(r.first_token_s for r in reqs)  # the last prefill's token: decoding starts
     res.prefill_s, res.decode_s = t1 - t0, t2 - t1
     return res

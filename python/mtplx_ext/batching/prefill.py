@@ -99,22 +99,22 @@ class PrefillPhase:
                 n += 1
             work, reqs = works[0], [self._waiting[i] for i in range(n)]  # the plan follows the queue
             del works[:n]
-            hits = [None if self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp) else (None, 0)
-                    for r in reqs] if n > 1 else [None]  # (None: a hit, prefilled alone)
-            together = [r for r, hit in zip(reqs, hits) if hit is not None and hit[0] is None]
-            for r, hit in zip(reqs, hits):  # alone: a request's next chunks, or a group's prefix-cache hits
+            # A group's prompts the prefix cache would resume prefill alone, from their hit.
+            together = [r for r in reqs if not self.prefix.peek(r.prompt, self.rt, self._prefill_depth(1), self.mtp)
+                        ] if n > 1 else []
+            for r in reqs:  # alone: a request's next chunks, or a group's prefix-cache hits
                 if r not in together:
-                    self._prefill_alone(r, work.chunks if n == 1 else len(r.prompt), work.start, hit)
+                    self._prefill_alone(r, work.chunks if n == 1 else len(r.prompt), work.start)
             if together:
                 for r in together:
                     self._waiting.remove(r)
                 self._prefill_group(together)
 
-    def _prefill_alone(self, r: Request, chunks: int, start: bool, hit: tuple[Any, int] | None) -> None:
+    def _prefill_alone(self, r: Request, chunks: int, start: bool) -> None:
         """Forwards up to `chunks` chunks of r's prompt (starting its prefill first); r leaves the queue when done."""
         try:
             if start:
-                self._start_prefill(r, hit)
+                self._start_prefill(r)
             gen, cyc = r.prefill
             for _ in range(chunks):
                 tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
@@ -136,8 +136,8 @@ class PrefillPhase:
         """Prefills whole prompts together in one left-padded forward (`batching.prefill`)."""
         try:
             k = self._prefill_depth(len(reqs))
-            cyc, padded, pads = group_cycle(self.rt, reqs, admission.capacity(max(r.need for r in reqs)), k,
-                                              self.mtp)
+            cap = admission.capacity(max(r.need for r in reqs))
+            cyc, padded, pads = group_cycle(self.rt, reqs, cap, k, self.mtp)
             self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
             tokens, info = cyc.prefill(padded)
             rows = group_rows(cyc, pads, tokens, info)
@@ -153,12 +153,12 @@ class PrefillPhase:
         """The K of the batch that prefilled rows would join (their first drafts)."""
         return self._depths.expected(len(self._live) + len(self._ready) + joining) if self._depths else self.depth
 
-    def _start_prefill(self, r: Request, hit: tuple[Any, int] | None = None) -> None:
+    def _start_prefill(self, r: Request) -> None:
         cap = admission.capacity(r.need)
         k = self._prefill_depth(1)
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
-        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok and hit is None else 0
+        r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok else 0
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 

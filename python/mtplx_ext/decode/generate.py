@@ -11,6 +11,7 @@ without an engine's scheduling.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,51 @@ from mtplx_ext.decode.results import BatchedDecodeResult
 from mtplx_ext.decode.streams import OnCommit, Streams
 
 REJECT_MODES = ("repair", "reforward")
+
+
+@dataclass(frozen=True)
+class FixedBatchArgs:
+    """A fixed batch's arguments, checked (`check_fixed_batch`): both loops start from these."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int
+    seed: int | None
+    row_seeds: list[int] | None
+    stop_ids: frozenset[int]
+    use_mtp: bool  # MTP asked and, under depth="auto", chosen
+    depth: int  # K >= 1 (the calibration's pick under "auto")
+    kv: Any  # the KV quantization, or None for the runtime's
+
+
+def check_fixed_batch(runtime: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, seed: int | None,
+                      row_seeds: Sequence[int] | None, stop_token_ids: Sequence[int], use_mtp_draft: bool,
+                      depth: int | str, reject_mode: str, on_commit: Any, kv_bits: int | None, kv_group_size: int,
+                      enforce_eager: bool = False) -> FixedBatchArgs:
+    """`generate_batched`'s arguments checked (errors name them) and depth="auto" resolved for this batch size.
+
+    Raises:
+        TypeError / ValueError: naming the bad argument; MTP asked of a runtime without a head.
+    """
+    vocab = int(runtime.vocab_size)
+    prompts = as_prompts(prompts, vocab)
+    # Python ints from here on: a NumPy integer would break mx calls in compiled steps.
+    max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
+    seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
+    stop_ids = as_stop_ids(stop_token_ids, vocab)
+    use_mtp = bool(use_mtp_draft)
+    kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
+    if depth == autodepth.AUTO:
+        with session.kv_setting(runtime, kv):
+            chosen = auto_depth(runtime, len(prompts), enforce_eager) if use_mtp else 1
+        use_mtp, depth = use_mtp and chosen > 0, max(chosen, 1)
+    depth = as_depth(depth)
+    if reject_mode not in REJECT_MODES:
+        raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
+    if on_commit is not None and not callable(on_commit):
+        raise TypeError("on_commit must be callable or None")
+    if use_mtp and not runtime.has_mtp:
+        raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
+    return FixedBatchArgs(prompts, max_new_tokens, seed, row_seeds, stop_ids, use_mtp, depth, kv)
 
 
 def generate_reference(
@@ -68,25 +114,10 @@ def generate_reference(
         NotImplementedError: temperature > 0 without a SamplerConfig.
         RuntimeError: naming a stream whose logits or tokens became invalid.
     """
-    vocab = int(runtime.vocab_size)
-    prompts = as_prompts(prompts, vocab)
-    # Python ints from here on: a NumPy integer would break mx calls in compiled steps.
-    max_new_tokens = as_int("max_new_tokens", max_new_tokens, lo=1)
-    seed, row_seeds = as_seed("seed", seed), as_seeds("row_seeds", row_seeds)
-    stop_ids = as_stop_ids(stop_token_ids, vocab)
-    use_mtp_draft = bool(use_mtp_draft)
-    kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
-    if depth == autodepth.AUTO:
-        with session.kv_setting(runtime, kv):
-            chosen = auto_depth(runtime, len(prompts), enforce_eager) if use_mtp_draft else 1
-        use_mtp_draft, depth = use_mtp_draft and chosen > 0, max(chosen, 1)
-    depth = as_depth(depth)
-    if reject_mode not in REJECT_MODES:
-        raise ValueError(f"reject_mode must be one of {REJECT_MODES}, got {reject_mode!r}")
-    if on_commit is not None and not callable(on_commit):
-        raise TypeError("on_commit must be callable or None")
-    if use_mtp_draft and not runtime.has_mtp:
-        raise ValueError("use_mtp_draft=True needs a runtime with MTP head weights (this one has none)")
+    a = check_fixed_batch(runtime, prompts, max_new_tokens, seed, row_seeds, stop_token_ids, use_mtp_draft, depth,
+                          reject_mode, on_commit, kv_bits, kv_group_size, enforce_eager)
+    prompts, max_new_tokens, seed, row_seeds, stop_ids = a.prompts, a.max_new_tokens, a.seed, a.row_seeds, a.stop_ids
+    use_mtp_draft, depth, kv = a.use_mtp, a.depth, a.kv
     policy = make_policy(sampler, seed, row_seeds)
     if constraints is not None:
         constraints = list(constraints)
