@@ -19,14 +19,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.requests import Event
 from mtplx_ext.decode import autodepth, session
 from mtplx_ext.decode.constraint import Constraint
 from mtplx_ext.decode.generate import check_fixed_batch, generate_reference
-from mtplx_ext.decode.policies import make_policy
+from mtplx_ext.decode.policies import derived_row_seeds, make_policy
 from mtplx_ext.decode.results import BatchedDecodeResult, StreamResult
 from mtplx_ext.decode.streams import OnCommit
 from mtplx_ext.sampling import SamplerConfig
@@ -180,7 +178,7 @@ def _row_seeds(seed: int | None, row_seeds: Sequence[int] | None, n: int) -> lis
         if len(row_seeds) != n:
             raise ValueError(f"row_seeds has {len(row_seeds)} entries for {n} prompts")
         return [int(s) for s in row_seeds]
-    return [int(x) for x in np.random.default_rng(seed).integers(0, 2**63, size=n)]
+    return derived_row_seeds(seed, n)
 
 
 def _constraints(constraints: Sequence[Constraint | None] | None, n: int) -> list[Constraint | None]:

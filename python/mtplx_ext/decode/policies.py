@@ -203,6 +203,11 @@ def row_keys(seeds: Sequence[int]) -> mx.array:
     return mx.vmap(lambda k: mx.random.split(k, 2)[0])(raw)
 
 
+def derived_row_seeds(seed: int | None, n: int) -> list[int]:
+    """The n streams' seeds a batch sampled with `seed` alone uses (stream i's from (seed, i); None: fresh)."""
+    return [int(x) for x in np.random.default_rng(seed).integers(0, 2**63, size=n)]
+
+
 class SampledPolicy(_BiasRows):
     """Exact speculative sampling for `SamplerConfig`s (one shared, or one per stream).
 
@@ -291,8 +296,7 @@ class SampledPolicy(_BiasRows):
             raise ValueError(f"sampler has {len(self._configs)} SamplerConfigs for {B} prompts")
         seeds = self._row_seeds
         if seeds is None:
-            rng = np.random.default_rng(self._seed)
-            seeds = [int(x) for x in rng.integers(0, 2**63, size=B)]
+            seeds = derived_row_seeds(self._seed, B)
         elif len(seeds) != B:
             raise ValueError(f"row_seeds has {len(seeds)} entries for {B} prompts")
         self._keys = row_keys(seeds)
