@@ -6,8 +6,11 @@ import tempfile
 # of its own before anything compiles: MLX's CPU backend keeps the kernels it
 # compiles under <tmp>/mlx/, and tests that count the kernels a decode builds
 # must see their own process's only. Subprocesses inherit it.
+# Kernels a sibling worker finished are linked in before each test (`_kernel_share`).
+_TMP_PREFIX = "mtplx-tests-"
+_own_tmp = None
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    _own_tmp = os.path.join(tempfile.gettempdir(), "mtplx-tests-" + os.environ["PYTEST_XDIST_WORKER"])
+    _own_tmp = os.path.join(tempfile.gettempdir(), _TMP_PREFIX + os.environ["PYTEST_XDIST_WORKER"])
     os.makedirs(_own_tmp, exist_ok=True)
     os.environ["TMPDIR"] = tempfile.tempdir = _own_tmp
 
@@ -21,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
 
 import pytest  # noqa: E402
 
+import _kernel_share  # noqa: E402
 import _seed  # noqa: E402
 
 # Decided once, before pytest-xdist starts its workers: they inherit it.
@@ -39,6 +43,12 @@ def pytest_configure(config):
         return
     if getattr(config.option, "hypothesis_seed", None) is None:
         core.global_force_seed = SESSION_SEED
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if _own_tmp is not None:  # kernels the other workers compiled (`_kernel_share`)
+        _kernel_share.take_siblings_kernels(_own_tmp, _TMP_PREFIX)
 
 
 @pytest.fixture(autouse=True)

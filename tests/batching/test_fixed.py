@@ -8,6 +8,8 @@ streams too (each row draws from its own seed's key whatever its batch).
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from _greedy import _prompts, _runtime
 
@@ -87,9 +89,19 @@ def test_a_runtime_keeping_rows_outside_its_caches_runs_the_reference_loop(rng):
 def test_compaction_off_keeps_every_row_and_changes_no_token(rng):
     rt = _runtime("qwen3", rng)
     prompts = _prompts(rng, rt.vocab_size, 6)
+    # Stop tokens that end four rows at their second token and two rows never: compaction has rows to drop,
+    # and no row ends at its prefill (every row joins the batch).
+    free = [s.tokens for s in mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=12, depth=2).streams]
+    for long in itertools.combinations(range(6), 2):
+        avoid = {t for i in long for t in free[i]} | {t[0] for t in free}
+        stops = sorted({free[i][1] for i in range(6) if i not in long})
+        if len(stops) >= 3 and not avoid & set(stops):
+            break
+    else:
+        raise AssertionError(f"no two rows of {free} leave stop tokens for the others")
     runs = {c: mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=12, depth=2, compact_rows=c,
-                                                 stop_token_ids=[int(rng.integers(rt.vocab_size))])
+                                                 stop_token_ids=stops)
             for c in (True, False)}
     assert [s.tokens for s in runs[True].streams] == [s.tokens for s in runs[False].streams]
-    assert runs[False].compactions == 0
+    assert runs[True].compactions > 0 and runs[False].compactions == 0
     assert runs[False].row_cycles == 6 * runs[False].cycles

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -96,6 +97,9 @@ def run(args: argparse.Namespace) -> int:
         if args.depth == "auto" and not args.no_mtp:
             print(f"mtplx-ext serve: --depth auto, {common.calibration_note(rt)}", file=sys.stderr, flush=True)
             parallel.agree_depth(dist, rt, [args.max_batch])
+        # What lives as long as the process (imports, the model, its tokenizer) leaves the collector's
+        # view: a full collection would otherwise scan it again and again, a pause in every stream.
+        gc.freeze()
         serve(rt, folder, max_batch=args.max_batch, depth=args.depth, use_mtp=not args.no_mtp,
               api_key=args.api_key, max_kv_slots=args.max_kv_slots, prefill_chunk=args.prefill_chunk,
               prefix_cache_bytes=args.prefix_cache_mb << 20, prefix_cache_dir=args.prefix_cache_dir,
