@@ -27,6 +27,7 @@ from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.rules import RequestRules
 from mtplx_ext.batching.scheduler import BatchShape, needs_rebuild, plan_batch
+from mtplx_ext.batching.steps import CycleRun, Recomposition, StepLog, StepResult
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.batching.token_logprobs import cycle_entries
 from mtplx_ext.decode import session
@@ -114,6 +115,7 @@ class Engine(PrefillPhase):
         self._info: mx.array | None = None
         self._streams: Streams | None = None
         self._guide: Any = None  # the running batch's constraints (`batching.constrained`), or None
+        self._log = StepLog()  # what the step under way did (`step`'s result)
         self.cycle_count = 0
         self.stats = BatchedDecodeResult(depth=self.depth if self.mtp else 0)
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
@@ -213,8 +215,12 @@ class Engine(PrefillPhase):
         batch = self._batch
         return 0 if batch is None else batch.kv_bytes
 
-    def step(self) -> bool:
-        """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
+    def step(self) -> StepResult:
+        """One engine step (admit, prefill a chunk, recompose, one cycle): what it did (`steps.StepResult`).
+
+        The result is falsy when the engine is idle afterwards (nothing waiting, prefilling or decoding), so
+        `while engine.step(): ...` steps until every request has ended.
+        """
         for item in self.take_inbox():
             self.admit(item)
         self._drop_cancelled()
@@ -223,7 +229,7 @@ class Engine(PrefillPhase):
             self._recompose()
         if self._live:
             self._cycle()
-        return bool(self._live or self._ready or self._waiting)
+        return self._log.result(not (self._live or self._ready or self._waiting))
 
     # -- admission ---------------------------------------------------------------
 
@@ -242,6 +248,7 @@ class Engine(PrefillPhase):
         """Queues a submitted request for prefill (engine thread)."""
         self._waiting.append(r)
         self.counters["submitted"] += 1
+        self._log.admitted.append(r.id)
 
     def _drop_cancelled(self) -> None:
         for q in (self._waiting, self._ready):
@@ -271,6 +278,10 @@ class Engine(PrefillPhase):
             self.prefix.store_finished(self._live, self._batch.caches())
         new = [self._ready[i] for i in plan.join]
         reqs = [self._live[i] for i in plan.keep] + new
+        self._log.recomposed = Recomposition(
+            tuple(self._live[i].id for i in plan.keep), tuple(r.id for r in new),
+            tuple(r.id for i, r in enumerate(self._live) if i not in plan.keep),
+            None if plan.shape is None else plan.shape.depth)
         self._ready = []
         old = self._batch.unload(self._next, self._info) if self._batch is not None else None
         self._batch = None
@@ -368,6 +379,7 @@ class Engine(PrefillPhase):
             return
         self.stats.cycles += 1
         self.stats.forwards += 1
+        self._log.cycle = CycleRun(self.cycle_depth if self.mtp else 0, len(reqs))
         self.stats.host_syncs += 1
         # Rows the forward computed, finished ones not yet evicted included.
         self.counters["row_forwards"] += len(reqs)
@@ -400,6 +412,7 @@ class Engine(PrefillPhase):
         r.tokens.extend(new)
         r.token_logprobs.extend(lp or ())
         self.counters["generated_tokens"] += len(new)
+        self._log.commit(r.id, len(new))
         text = ""
         if r.detok is not None:
             text, cut = r.detok.push(new, final=reason is not None)
@@ -416,10 +429,12 @@ class Engine(PrefillPhase):
     def _finish(self, r: Request, reason: str) -> None:
         if r.finish(reason):
             self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
+            self._log.finished.append(r.id)
 
     def _fail(self, r: Request, e: BaseException) -> None:
         if r.fail(str(e) or type(e).__name__):
             self.counters["failed"] += 1
+            self._log.finished.append(r.id)
 
     def fail_all(self, why: str) -> None:
         """Ends every open request with an error event (engine thread)."""

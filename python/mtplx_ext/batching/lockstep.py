@@ -34,6 +34,7 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -50,6 +51,7 @@ from mtplx_ext.batching.collective import (
 )
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.steps import StepResult
 from mtplx_ext.sampling import SamplerConfig
 
 _SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -205,11 +207,11 @@ class LockstepEngine(Engine):
 
     # -- the step -----------------------------------------------------------------
 
-    def step(self) -> bool:
+    def step(self) -> StepResult:
         if self.closed:
-            return False
+            return StepResult()
         try:
-            busy = super().step()
+            res = super().step()
         except DistributedError as e:  # every rank sees the same gathered hashes: all end here
             os.write(2, f"mtplx-ext: error: rank {self.rank}: {e}; exiting\n".encode())
             os._exit(4)
@@ -223,7 +225,9 @@ class LockstepEngine(Engine):
             self._cancelled.discard(rid)
         if self.closed:  # the stop flag: no step after this one holds a collective
             self.fail_all("the engine stopped")
-        return busy
+            res = replace(res, finished=res.finished + tuple(self._log.finished))  # they end in this step
+            self._log.clear()
+        return res
 
     def _drop_cancelled(self) -> None:
         # Only cancellations every rank has been sent (never a flag set since the exchange).

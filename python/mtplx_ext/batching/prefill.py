@@ -119,6 +119,7 @@ class PrefillPhase:
             for _ in range(chunks):
                 tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
                 self.counters["prefill_tokens"] += tokens
+                self._log.prefill(r.id, tokens)
                 try:
                     next(gen)
                     r.prefill_pos += tokens
@@ -139,6 +140,8 @@ class PrefillPhase:
             cap = admission.capacity(max(r.need for r in reqs))
             cyc, padded, pads = group_cycle(self.rt, reqs, cap, k, self.mtp)
             self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+            for r in reqs:
+                self._log.prefill(r.id, len(r.prompt))
             tokens, info = cyc.prefill(padded)
             rows = group_rows(cyc, pads, tokens, info)
         except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
@@ -177,6 +180,7 @@ class PrefillPhase:
         # cycle's bundle then starts with it again.
         constrained.finish_prefill(r, x0, self.mtp)
         r.cycles = 0
+        self._log.prefilled.append(r.id)
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
                           valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
         if r.finish_reason is not None:
