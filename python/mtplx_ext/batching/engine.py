@@ -23,6 +23,7 @@ from mtplx_ext.batching.prefill import PrefillPhase, row_parts
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows
 from mtplx_ext.batching.depths import engine_depths
 from mtplx_ext.batching.metrics import snapshot
+from mtplx_ext.batching.options import EngineOptions
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.rules import RequestRules
@@ -43,23 +44,14 @@ class Engine(PrefillPhase):
         runtime: an `MTPRuntime`: an attention-only trunk, or a GatedDeltaNet
             hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
             from the recurrent states captured at each verified position.
-        max_batch: most streams decoding at once.
-        depth: drafts per cycle (K); {batch size: K} (0: no drafts; a batch takes the K of the smallest size
-            that holds it); or "auto" (the default): for each batch size the K (0 included) that decodes it
-            fastest here (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
-        use_mtp: False decodes plainly (one token per forward), the baseline.
-        max_kv_slots: most KV slots held by the running batch (rows times
-            its per-row capacity); default max_batch times the context.
-        prefill_chunk: prompt tokens prefilled per engine step while other
-            streams decode.
+        options: the engine's settings (`options.EngineOptions`); or give them as keywords of the same names
+            (`max_batch=`, `depth=`, ...: `**settings`), not both.
         tokenizer: with `decode(ids)`, for text and stop strings (default:
             the runtime's).
-        context: most prompt + generated tokens of one request (default:
-            the model's `max_position_embeddings`).
-        prefix_cache_bytes: most bytes of prompt caches kept for later prompts
-            that start alike (`prefix_cache.PrefixCache`; 0: off); prefix_cache_dir, prefix_cache_disk_bytes,
-            prefix_block_tokens: its disk tier (kept across restarts), the tier's cap, the slots of its blocks.
-        kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
+
+    Attributes:
+        options: the settings it runs with.
+        launch_ahead, compact_rows: the options' switches (either may be changed between steps).
 
     Raises:
         ValueError / TypeError: naming a bad argument; a trunk with
@@ -67,35 +59,24 @@ class Engine(PrefillPhase):
             state cannot be captured per position).
     """
 
-    def __init__(
-        self,
-        runtime: Any,
-        *,
-        max_batch: int = 8,
-        depth: int | str | dict[int, int] = "auto",
-        use_mtp: bool = True,
-        max_kv_slots: int | None = None,
-        prefill_chunk: int = 256,
-        tokenizer: Any = None,
-        context: int | None = None,
-        prefix_cache_bytes: int = 0,
-        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 4 << 30, prefix_block_tokens: int = 32,
-        kv_bits: int | None = None, kv_group_size: int = 64,
-    ):
+    def __init__(self, runtime: Any, options: EngineOptions | None = None, *, tokenizer: Any = None,
+                 **settings: Any):
+        o = self.options = EngineOptions.given(options, settings)
         self.rt = runtime
-        self._kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
-        self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1 << 16)
+        self._kv = None if o.kv_bits is None else check_kv_quantization(o.kv_bits, o.kv_group_size)
+        self.max_batch = as_int("max_batch", o.max_batch, lo=1, hi=1 << 16)
         self.mtp, self.depth, self._route, self._depths = engine_depths(
-            runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
+            runtime, bool(o.use_mtp), o.depth, self.max_batch, self.per_batch_depth)
         self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest a batch may run)
         self._rechoose = False  # the acceptance seen moved K: recompose the batch at the new K
         default_ctx = admission.model_context(runtime)
-        self.context = as_int("context", context if context is not None else default_ctx, lo=2)
-        self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
+        self.context = as_int("context", o.context if o.context is not None else default_ctx, lo=2)
+        self.max_kv_slots = as_int("max_kv_slots", o.max_kv_slots if o.max_kv_slots is not None
                                    else self.max_batch * admission.capacity(self.context), lo=1)
-        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
-        self.prefix = PrefixCache.for_runtime(runtime, prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes,
-                                              prefix_block_tokens)
+        self.prefill_chunk = as_int("prefill_chunk", o.prefill_chunk, lo=1)
+        self.launch_ahead, self.compact_rows = bool(o.launch_ahead), bool(o.compact_rows)
+        self.prefix = PrefixCache.for_runtime(runtime, o.prefix_cache_bytes, o.prefix_cache_dir,
+                                              o.prefix_cache_disk_bytes, o.prefix_block_tokens)
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
@@ -311,12 +292,6 @@ class Engine(PrefillPhase):
         self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
 
     per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)
-
-    #: Launch each cycle before reading the one before it (off: one cycle at a
-    #: time, for side-by-side measurements; the tokens are the same).
-    launch_ahead = True
-    #: Drop finished rows once at most half of the batch decodes (off: only when every row has finished).
-    compact_rows = True
 
     def _launch(self) -> Any:
         """Launches the running batch's next cycle (device work only)."""

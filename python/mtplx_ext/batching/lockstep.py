@@ -50,6 +50,7 @@ from mtplx_ext.batching.collective import (
     lost_peer_message,
 )
 from mtplx_ext.batching.engine import Engine
+from mtplx_ext.batching.options import EngineOptions
 from mtplx_ext.batching.requests import Event, Request
 from mtplx_ext.batching.steps import StepResult
 from mtplx_ext.sampling import SamplerConfig
@@ -70,7 +71,7 @@ class LockstepEngine(Engine):
         runtime: a runtime split across `group` (`checkpoints.sharded.load`).
         group: the `mx.distributed.Group`; rank 0 takes requests.
         watchdog: beaten at every exchange (None: no watchdog).
-        **kwargs: as for `Engine`; `depth="auto"` (the default) agrees across
+        options, **kwargs: as for `Engine`; `depth="auto"` (the default) agrees across
             ranks only after `collective.agree_auto_depth(group, runtime,
             [max_batch])` (the CLI calls it); ranks that disagree are
             reported at the next step, by the committed-token hash.
@@ -78,8 +79,9 @@ class LockstepEngine(Engine):
 
     per_batch_depth = False  # one K, agreed by the ranks
 
-    def __init__(self, runtime: Any, group: Any, *, watchdog: Watchdog | None = None, **kwargs: Any):
-        super().__init__(runtime, **kwargs)
+    def __init__(self, runtime: Any, group: Any, options: EngineOptions | None = None, *,
+                 watchdog: Watchdog | None = None, **kwargs: Any):
+        super().__init__(runtime, options, **kwargs)
         self.group = group
         self.rank = group.rank()
         self.watchdog = watchdog
