@@ -248,7 +248,8 @@ class Engine(PrefillPhase):
         if not needs_rebuild(live, ready, self._rechoose, self.compact_rows):
             return
         self._rechoose = False
-        if self._inflight is not None:
+        drained = self._inflight is not None
+        if drained:
             # The cycle launched ahead ran on the old rows: commit it first.
             p, self._inflight = self._inflight, None
             self._read(p)
@@ -262,7 +263,7 @@ class Engine(PrefillPhase):
         self._log.recomposed = Recomposition(
             tuple(self._live[i].id for i in plan.keep), tuple(r.id for r in new),
             tuple(r.id for i, r in enumerate(self._live) if i not in plan.keep),
-            None if plan.shape is None else plan.shape.depth)
+            None if plan.shape is None else plan.shape.depth, drained)
         self._ready = []
         old = self._batch.unload(self._next, self._info) if self._batch is not None else None
         self._batch = None
@@ -323,7 +324,8 @@ class Engine(PrefillPhase):
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
             self._fail_batch(e)
             return
-        self._read(p)
+        if self._read(p):
+            self._log.cycle = CycleRun(self.cycle_depth if self.mtp else 0, len(self._live))
         if self._depths is not None and self._live and self._depths.observe(
                 self.stats.reached, self.stats.accepted_at, len(self._live), self.cycle_depth):
             self._rechoose = True
@@ -335,8 +337,9 @@ class Engine(PrefillPhase):
             self._batch.unload(None, None)
         self._batch, self._live, self._next, self._info, self._inflight = None, [], None, None, None
 
-    def _read(self, p: Any) -> None:
-        """The cycle's one host read, then each live stream's commit."""
+    def _read(self, p: Any) -> bool:
+        """The cycle's one host read, then each live stream's commit; False when it was no decode cycle (it
+        failed, or it was launched ahead after every row had finished)."""
         st, reqs = self._streams, self._live
         try:  # one wait: the logprobs (if any) and a constrained batch's next tokens come with the bundle
             extra = [p.logprobs] if p.logprobs is not None else []
@@ -348,13 +351,12 @@ class Engine(PrefillPhase):
             self.stats.sync_wait_s += time.perf_counter() - t
         except Exception as e:  # noqa: BLE001
             self._fail_batch(e)
-            return
+            return False
         live = constrained.live_rows(reqs, st)
         if not any(live):  # a cycle launched ahead after every row had finished: wasted, not a decode cycle
-            return
+            return False
         self.stats.cycles += 1
         self.stats.forwards += 1
-        self._log.cycle = CycleRun(self.cycle_depth if self.mtp else 0, len(reqs))
         self.stats.host_syncs += 1
         # Rows the forward computed, finished ones not yet evicted included.
         self.counters["row_forwards"] += len(reqs)
@@ -375,6 +377,7 @@ class Engine(PrefillPhase):
             still = constrained.live_rows(reqs, st)  # the rows' next mask; forced drafts go into the next tokens
             self._next, self._info = constrained.after_cycle(self._guide, self._batch.policy, p, b, live, still, self.mtp,
                                                              self._next, self._info)
+        return True
 
     # -- host side of a request ---------------------------------------------------
 

@@ -21,12 +21,15 @@ class Recomposition:
         joined: prefilled requests that joined after them.
         left: rows of the old batch dropped (finished, cancelled or failed).
         depth: the new batch's K (0: one token per cycle); None when no row remains.
+        drained: a cycle launched ahead on the old rows was read first (what it committed is in the step's
+            `committed`; it is not the step's `cycle`).
     """
 
     kept: tuple[int, ...]
     joined: tuple[int, ...]
     left: tuple[int, ...]
     depth: int | None
+    drained: bool = False
 
     @property
     def rows(self) -> int:
@@ -52,8 +55,8 @@ class StepResult:
         prefill_tokens: prompt tokens forwarded, per request id (a prefix-cache hit's are not forwarded).
         prefilled: ids of the requests whose prefill completed (their first token went out).
         recomposed: the batch rebuild, or None when the running batch stayed as it was.
-        cycle: the last decode cycle read, or None (no running batch; a cycle launched ahead after every row
-            had finished is not one).
+        cycle: the decode cycle of the step's last phase, run on the (recomposed) running batch and read, or None
+            (no running batch; it failed; a cycle launched ahead after every row had finished is not one).
         committed: tokens committed per request id (a prefill's first token included).
         finished: ids of the requests that ended ("done" or "error" event), in the order they ended.
         idle: no request is left waiting, prefilling or decoding: the loop may wait for a submission.
