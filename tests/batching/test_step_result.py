@@ -26,7 +26,8 @@ def _run(eng: Engine, rng, shipped, n: int = 6):
         for step in range(2000):
             while arrivals and arrivals[0][0] <= step:
                 _, i = arrivals.pop(0)
-                reqs[i] = eng.submit(random_prompt(rng, shipped, 1, 30), max_tokens=40 if i == 0 else int(rng.integers(1, 24)),
+                cap = 40 if i == 0 else int(rng.integers(1, 24))  # request 0 lives long enough to be cancelled
+                reqs[i] = eng.submit(random_prompt(rng, shipped, 1, 30), max_tokens=cap,
                                      on_event=lambda ev, i=i: on_event(ev, i))
             if cancel_at is None and 0 in reqs and len(reqs[0].tokens) >= 2 and reqs[0].finish_reason is None:
                 reqs[0].cancel()

@@ -50,8 +50,8 @@ from mtplx_ext.batching.detok import Detokenizer
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.fixed import generate_batched, generate_greedy_batched
 from mtplx_ext.batching.options import EngineOptions
-from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.requests import Event, Request, RowSettings
 from mtplx_ext.batching.steps import CycleRun, Recomposition, StepResult
 
 __all__ = ["KV_BLOCK", "CycleRun", "Detokenizer", "Engine", "EngineOptions", "Event", "Recomposition", "Request",
-           "StepResult", "generate_batched", "generate_greedy_batched"]
+           "RowSettings", "StepResult", "generate_batched", "generate_greedy_batched"]

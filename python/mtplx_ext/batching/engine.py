@@ -26,6 +26,7 @@ from mtplx_ext.batching.metrics import snapshot
 from mtplx_ext.batching.options import EngineOptions
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.rows import RowRecord
 from mtplx_ext.batching.rules import RequestRules
 from mtplx_ext.batching.scheduler import BatchShape, needs_rebuild, plan_batch
 from mtplx_ext.batching.steps import CycleRun, Recomposition, StepLog, StepResult
@@ -83,12 +84,12 @@ class Engine(PrefillPhase):
         self.rules = RequestRules(self.vocab, self.depth, self.mtp, self.context, self.max_kv_slots,
                                   self.tokenizer)
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[RowRecord | None] = queue.SimpleQueue()
         self._rng = np.random.default_rng()
-        # Engine-thread state.
-        self._waiting: deque[Request] = deque()
-        self._ready: list[Request] = []  # prefilled, not merged yet
-        self._live: list[Request] = []  # rows of the running batch, in order
+        # Engine-thread state: the records of the requests (`rows.RowRecord`), the clients' handles are theirs.
+        self._waiting: deque[RowRecord] = deque()
+        self._ready: list[RowRecord] = []  # prefilled, not merged yet
+        self._live: list[RowRecord] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
         self._batches: dict[BatchShape, Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
@@ -136,12 +137,11 @@ class Engine(PrefillPhase):
             TypeError / ValueError: naming the bad argument; a request that
                 could never fit (context or `max_kv_slots`).
         """
-        req = self.rules.request(next(self._ids), prompt, self._rng, max_tokens=max_tokens, sampler=sampler,
-                            stop_token_ids=stop_token_ids, stop=stop, seed=seed, on_event=on_event,
-                            logprobs=logprobs, depth=depth)
-        req.constraint = constrained.check_constraint(constraint)
-        self._inbox.put(req)
-        return req
+        rec = self.rules.request(next(self._ids), prompt, self._rng, max_tokens=max_tokens, sampler=sampler,
+                                 stop_token_ids=stop_token_ids, stop=stop, seed=seed, on_event=on_event,
+                                 logprobs=logprobs, depth=depth, constraint=constraint)
+        self._inbox.put(rec)
+        return rec.req
 
     # -- the engine thread -------------------------------------------------------
 
@@ -214,8 +214,8 @@ class Engine(PrefillPhase):
 
     # -- admission ---------------------------------------------------------------
 
-    def take_inbox(self) -> list[Request]:
-        """The requests submitted since the last look (without the stop marker)."""
+    def take_inbox(self) -> list[RowRecord]:
+        """The records of the requests submitted since the last look (without the stop marker)."""
         items = []
         while True:
             try:
@@ -225,7 +225,7 @@ class Engine(PrefillPhase):
             if item is not None:
                 items.append(item)
 
-    def admit(self, r: Request) -> None:
+    def admit(self, r: RowRecord) -> None:
         """Queues a submitted request for prefill (engine thread)."""
         self._waiting.append(r)
         self.counters["submitted"] += 1
@@ -370,7 +370,7 @@ class Engine(PrefillPhase):
                 st.done[i] = True
                 self._fail(r, RuntimeError(e.detail) if isinstance(e, InvalidRow) else e)
                 continue
-            r.cycles += 1
+            r.req.cycles += 1
             n = int(b[i, 1]) if self.mtp else None
             self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
         if self._guide is not None:
@@ -381,14 +381,13 @@ class Engine(PrefillPhase):
 
     # -- host side of a request ---------------------------------------------------
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
+    def _commit_host(self, r: RowRecord, new: list[int], reason: str | None, valid: bool = True,
+                     lp: Any = None) -> None:
+        """Delivers what request r committed to its handle (tokens, text, logprobs, its "tokens" event), and its
+        end when `reason` (or a stop string) ends it."""
         if not valid:
             self._fail(r, RuntimeError(f"request {r.id}: invalid first token (non-finite logits)"))
             return
-        if r.first_token_s is None and new:
-            r.first_token_s = time.perf_counter()
-        r.tokens.extend(new)
-        r.token_logprobs.extend(lp or ())
         self.counters["generated_tokens"] += len(new)
         self._log.commit(r.id, len(new))
         text = ""
@@ -397,19 +396,19 @@ class Engine(PrefillPhase):
             if cut:
                 reason = "stop"
         try:
-            r.emit(Event("tokens", tokens=list(new), text=text, logprobs=lp))
+            r.req.commit(new, text, lp)
         except Exception as e:  # noqa: BLE001 - a failing callback fails its request only
             self._fail(r, e)
             return
         if reason is not None:
             self._finish(r, reason)
 
-    def _finish(self, r: Request, reason: str) -> None:
+    def _finish(self, r: RowRecord, reason: str) -> None:
         if r.finish(reason):
             self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
             self._log.finished.append(r.id)
 
-    def _fail(self, r: Request, e: BaseException) -> None:
+    def _fail(self, r: RowRecord, e: BaseException) -> None:
         if r.fail(str(e) or type(e).__name__):
             self.counters["failed"] += 1
             self._log.finished.append(r.id)

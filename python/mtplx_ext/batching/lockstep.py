@@ -51,7 +51,8 @@ from mtplx_ext.batching.collective import (
 )
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.options import EngineOptions
-from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.requests import Event, Request, RowSettings
+from mtplx_ext.batching.rows import RowRecord
 from mtplx_ext.batching.steps import StepResult
 from mtplx_ext.sampling import SamplerConfig
 
@@ -85,9 +86,9 @@ class LockstepEngine(Engine):
         self.group = group
         self.rank = group.rank()
         self.watchdog = watchdog
-        self._pending: list[Request] = []  # submitted on rank 0, not sent yet
+        self._pending: list[RowRecord] = []  # submitted on rank 0, not sent yet
         self._agreed: set[int] = set()  # ids sent to every rank
-        self._known: dict[int, Request] = {}
+        self._known: dict[int, RowRecord] = {}
         self._cancelled: set[int] = set()  # cancellations sent to every rank
         self._crc = 0
         self.exchanges = 0
@@ -131,13 +132,13 @@ class LockstepEngine(Engine):
                 time.sleep(0.02)
         super().stop(timeout, reason)
 
-    def admit(self, r: Request) -> None:
+    def admit(self, r: RowRecord) -> None:
         if r.id not in self._agreed:  # taken off the inbox by the idle loop: sent at the next step
             self._pending.append(r)
             return
         super().admit(r)
 
-    def _message(self, new: list[Request]) -> bytes:
+    def _message(self, new: list[RowRecord]) -> bytes:
         cancel = [rid for rid, r in self._known.items() if r.cancelled and rid not in self._cancelled and not r.done]
         if not new and not cancel:
             return b""
@@ -153,11 +154,11 @@ class LockstepEngine(Engine):
 
     # -- every rank: the exchange -------------------------------------------------
 
-    def take_inbox(self) -> list[Request]:
+    def take_inbox(self) -> list[RowRecord]:
         """The step's agreed admissions, in rank 0's order; cancellations marked; the stop flag read."""
         if self.closed:
             return []
-        new: list[Request] = []
+        new: list[RowRecord] = []
         payload = b""
         if self.rank == 0:
             new = self._pending + super().take_inbox()
@@ -185,7 +186,7 @@ class LockstepEngine(Engine):
             for rid in msg["cancel"]:
                 r = self._known.get(rid)
                 if r is not None and self.rank != 0:
-                    r.cancel()
+                    r.req.cancel()  # (no client here: rank 0's cancellation, mirrored)
         else:
             new = [] if self.rank != 0 else new
         for r in new:
@@ -195,17 +196,16 @@ class LockstepEngine(Engine):
             self.closed = True
         return new
 
-    def _request(self, spec: dict) -> Request:
-        """Rank > 0: the Request rank 0 built, from its sent fields."""
+    def _request(self, spec: dict) -> RowRecord:
+        """Rank > 0: the record of the request rank 0 built, from its sent fields."""
         fields = dict(spec["sampler"])
         fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))
-        sampler = SamplerConfig(**fields)
         stops = admission.check_stops(spec["stop"], self.tokenizer is not None)
-        r = Request(int(spec["id"]), list(spec["prompt"]), sampler, int(spec["max_tokens"]),
-                    frozenset(spec["stop_ids"]), stops, int(spec["seed"]), None,
-                    depth=int(spec["depth"]), tokenizer=self.tokenizer, logprobs=spec["logprobs"])
-        r.need = admission.request_need(len(r.prompt), r.max_tokens, self.depth, self.mtp)
-        return r
+        settings = RowSettings(SamplerConfig(**fields), int(spec["seed"]), int(spec["max_tokens"]),
+                               frozenset(spec["stop_ids"]), stops, int(spec["depth"]), spec["logprobs"])
+        prompt = list(spec["prompt"])
+        need = admission.request_need(len(prompt), settings.max_tokens, self.depth, self.mtp)
+        return RowRecord.new(int(spec["id"]), prompt, settings, need, tokenizer=self.tokenizer)
 
     # -- the step -----------------------------------------------------------------
 
@@ -241,7 +241,8 @@ class LockstepEngine(Engine):
             if r.id in self._cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
+    def _commit_host(self, r: RowRecord, new: list[int], reason: str | None, valid: bool = True,
+                     lp: Any = None) -> None:
         self._crc = zlib.crc32(np.asarray([r.id, *new], dtype=np.int64).tobytes(), self._crc)
         super()._commit_host(r, new, reason, valid, lp=lp)
 
