@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 import _seed
-from mtplx_ext.batching import Event, Request
+from mtplx_ext.batching import Detokenizer, Request, RowSettings
 from mtplx_ext.serve import API, build_api, create_app, load_chat_tokenizer, started
 from mtplx_ext.serve.server import bind
 from mtplx_ext.shipped import SHIPPED_MODEL, eos_ids
@@ -72,20 +72,20 @@ class ScriptedEngine:
     def submit(self, prompt: list[int], *, on_event: Any = None, max_tokens: int = 64, sampler: Any = None,
                stop: Any = (), seed: int | None = None, stop_token_ids: Any = (), constraint: Any = None,
                logprobs: Any = None) -> Request:
-        r = Request(len(self.prompts), list(prompt), sampler, max_tokens, frozenset(stop_token_ids), tuple(stop),
-                    seed or 0, on_event, depth=self.depth, tokenizer=self.tokenizer)
+        settings = RowSettings(sampler, seed or 0, max_tokens, frozenset(stop_token_ids), tuple(stop), self.depth)
+        r = Request(len(self.prompts), list(prompt), settings, on_event)
         self.prompts.append(list(prompt))
         ids = self.tokenizer.encode(self.reply).ids[:max_tokens]
         cuts = sorted({0, len(ids), *self.rng.integers(0, len(ids) + 1, size=max(len(ids) // 3, 1)).tolist()})
-        threading.Thread(target=self._run, args=(r, ids, cuts), daemon=True).start()
+        detok = Detokenizer(self.tokenizer, tuple(stop))
+        threading.Thread(target=self._run, args=(r, detok, ids, cuts), daemon=True).start()
         return r
 
-    def _run(self, r: Request, ids: list[int], cuts: list[int]) -> None:
+    def _run(self, r: Request, detok: Detokenizer, ids: list[int], cuts: list[int]) -> None:
         for a, b in zip(cuts, cuts[1:]):
             new = ids[a:b]
-            r.tokens.extend(new)
-            text, cut = r.detok.push(new, final=b == len(ids))
-            r.emit(Event("tokens", tokens=new, text=text))
+            text, cut = detok.push(new, final=b == len(ids))
+            r.commit(new, text)
             if cut:
                 break
             time.sleep(0.001)

@@ -70,7 +70,8 @@ from mtplx_ext.models.packed_quantized import (  # noqa: E402
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
 from mtplx_ext.decode import BatchedDecodeResult, StreamResult  # noqa: E402
-from mtplx_ext.batching import Engine, Event, Request, generate_batched, generate_greedy_batched  # noqa: E402
+from mtplx_ext.batching import (  # noqa: E402
+    Engine, EngineOptions, Event, Request, StepResult, generate_batched, generate_greedy_batched)
 
 __version__ = "0.1.0"
 
@@ -80,6 +81,7 @@ __all__ = [
     "CheckpointError",
     "CompiledStep",
     "Engine",
+    "EngineOptions",
     "Event",
     "FusedRMSNorm",
     "FusedRoPE",
@@ -92,6 +94,7 @@ __all__ = [
     "RaggedKVCache",
     "Request",
     "SamplerConfig",
+    "StepResult",
     "StreamResult",
     "fuse_cpu_ops",
     "gated_delta_capture",

@@ -16,7 +16,7 @@ import mtplx_ext  # noqa: F401  (first: the fast BLAS before mlx.core)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mtplx_ext import SamplerConfig, generate_batched
+from mtplx_ext import EngineOptions, SamplerConfig, generate_batched
 from mtplx_ext.batching.collective import Agreement, DistributedError, Watchdog
 from mtplx_ext.batching.lockstep import LockstepEngine
 
@@ -40,8 +40,8 @@ def _generate(rt, spec: dict, group, dog: Watchdog) -> list:
 
 
 def _engine(rt, spec: dict, group, dog: Watchdog) -> list:
-    eng = LockstepEngine(rt, group, watchdog=dog, max_batch=spec["max_batch"], depth=spec["depth"],
-                         use_mtp=spec["depth"] > 0, tokenizer=None)
+    options = EngineOptions(max_batch=spec["max_batch"], depth=spec["depth"], use_mtp=spec["depth"] > 0)
+    eng = LockstepEngine(rt, group, options, watchdog=dog, tokenizer=None)
     if group.rank() != 0:
         eng.follow()
         return []

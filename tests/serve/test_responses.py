@@ -29,7 +29,6 @@ pydantic = pytest.importorskip("pydantic")
 from _live_server import metrics  # noqa: E402
 from _serve import AppThread, ScriptedEngine, tool_model_folder  # noqa: E402
 
-from mtplx_ext.batching import Event  # noqa: E402
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext.serve import load_chat_tokenizer  # noqa: E402
@@ -467,10 +466,9 @@ def test_a_codex_shaped_request_streams_a_call_and_takes_its_output(app):
 class FailingEngine(ScriptedEngine):
     """Fails every request after its first tokens: an engine error in the middle of a reply."""
 
-    def _run(self, r, ids, cuts):
+    def _run(self, r, detok, ids, cuts):
         new = ids[:2]
-        r.tokens.extend(new)
-        r.emit(Event("tokens", tokens=new, text=r.detok.push(new, final=False)[0]))
+        r.commit(new, detok.push(new, final=False)[0])
         r.fail("the device went away")
 
 

@@ -1,10 +1,14 @@
 """Continuous batching: `Engine` admits requests into one running MTP batch as they arrive.
 
 The engine decides and executes on its own thread; the modules beside it
-hold what is not the loop itself: `requests` (Request, Event), `admission`
-(what a request needs, what fits), `batch` (a batch shape's caches, policy
-and compiled cycle; rows moved between batches), `detok` (text and stop
-strings of a request), `metrics` (what `Engine.metrics()` reports).
+hold what is not the loop itself: `options` (EngineOptions, its settings),
+`requests` (the client's Request handle, its RowSettings, Event), `rows`
+(RowRecord, the engine's own record of a request), `rules` and `admission`
+(what a request may ask, what it needs, what fits), `scheduler` (the typed
+plans), `batch` (a batch shape's caches, policy and compiled cycle; rows
+moved between batches), `detok` (text and stop strings of a request),
+`steps` (StepResult, what a step did), `metrics` (what `Engine.metrics()`
+reports).
 
 Each engine step:
 
@@ -20,7 +24,9 @@ Each engine step:
    trunks each row's recurrent and conv state (`ArraysCache`) moves with it;
 4. one MTP cycle (`Cycle`'s compiled per-stream step: K drafts, one
    [B, K + 1] verification, per-stream commit) runs for all live streams,
-   its bundle is read once, and each stream's committed tokens go out.
+   its bundle is read once, and each stream's committed tokens go out;
+5. `step` returns a `StepResult` of what it did, falsy once the engine is
+   idle (`while engine.step(): ...`).
 
 Hybrid trunks (`qwen3_next`, `qwen3_5`: GatedDeltaNet layers and attention
 layers) commit per stream too: the verification runs through
@@ -49,6 +55,9 @@ from mtplx_ext.batching.admission import KV_BLOCK
 from mtplx_ext.batching.detok import Detokenizer
 from mtplx_ext.batching.engine import Engine
 from mtplx_ext.batching.fixed import generate_batched, generate_greedy_batched
-from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.options import EngineOptions
+from mtplx_ext.batching.requests import Event, Request, RowSettings
+from mtplx_ext.batching.steps import CycleRun, Recomposition, StepResult
 
-__all__ = ["KV_BLOCK", "Detokenizer", "Engine", "Event", "Request", "generate_batched", "generate_greedy_batched"]
+__all__ = ["KV_BLOCK", "CycleRun", "Detokenizer", "Engine", "EngineOptions", "Event", "Recomposition", "Request",
+           "RowSettings", "StepResult", "generate_batched", "generate_greedy_batched"]

@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from mtplx_ext.batching.metrics import kv_bytes
 from mtplx_ext.batching.scheduler import BatchShape
-from mtplx_ext.batching.requests import Request
+from mtplx_ext.batching.rows import RowRecord
 from mtplx_ext.cache.rows import RowState
 from mtplx_ext.decode.constraint import mask_words
 from mtplx_ext.decode.cycle import Cycle
@@ -111,7 +111,7 @@ def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kin
     return Rows(cache=cache, next=cat(lambda d: d.next), info=info, counts=counts)
 
 
-def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> Cycle:
+def prefill_cycle(runtime: Any, r: RowRecord, cap: int, depth: int, mtp: bool) -> Cycle:
     """A one-row cycle (caches of `cap` slots, the request's own policy) to prefill `r` in."""
     cache = runtime.make_cache([0], ragged=True, capacity=cap)
     head = runtime.make_head_cache([0], ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
@@ -120,7 +120,7 @@ def prefill_cycle(runtime: Any, r: Request, cap: int, depth: int, mtp: bool) -> 
     return Cycle(runtime, policy, cache, head, depth, per_stream=mtp, logprobs=r.logprobs is not None)
 
 
-def batch_streams(reqs: Sequence[Request], vocab: int, depth: int, mtp: bool, stats: Any) -> Streams:
+def batch_streams(reqs: Sequence[RowRecord], vocab: int, depth: int, mtp: bool, stats: Any) -> Streams:
     """Host bookkeeping of a recomposed batch: each request's caps, stops and what it committed so far.
 
     A request whose x0 went out at its prefill has its first bundle's x0
@@ -176,7 +176,7 @@ class Batch:
     def caches(self) -> list[list]:
         return self.cycle.caches()
 
-    def load(self, rows: Rows, reqs: Sequence[Request]) -> None:
+    def load(self, rows: Rows, reqs: Sequence[RowRecord]) -> None:
         """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
         rows.cache.load_into(self.caches(), self.B, self.cap)
         self.kv_bytes = kv_bytes(self.caches())  # what the loaded rows' KV buffers hold (`Engine.kv_bytes`)

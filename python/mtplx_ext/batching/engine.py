@@ -23,10 +23,13 @@ from mtplx_ext.batching.prefill import PrefillPhase, row_parts
 from mtplx_ext.batching.batch import Batch, Rows, batch_streams, merge_rows
 from mtplx_ext.batching.depths import engine_depths
 from mtplx_ext.batching.metrics import snapshot
+from mtplx_ext.batching.options import EngineOptions
 from mtplx_ext.batching.prefix_cache import PrefixCache
 from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.rows import RowRecord
 from mtplx_ext.batching.rules import RequestRules
 from mtplx_ext.batching.scheduler import BatchShape, needs_rebuild, plan_batch
+from mtplx_ext.batching.steps import CycleRun, Recomposition, StepLog, StepResult
 from mtplx_ext.batching.runner import EngineThread
 from mtplx_ext.batching.token_logprobs import cycle_entries
 from mtplx_ext.decode import session
@@ -42,23 +45,14 @@ class Engine(PrefillPhase):
         runtime: an `MTPRuntime`: an attention-only trunk, or a GatedDeltaNet
             hybrid (`qwen3_next`, `qwen3_5`), whose streams commit per stream
             from the recurrent states captured at each verified position.
-        max_batch: most streams decoding at once.
-        depth: drafts per cycle (K); {batch size: K} (0: no drafts; a batch takes the K of the smallest size
-            that holds it); or "auto" (the default): for each batch size the K (0 included) that decodes it
-            fastest here (`batching.depths`: calibrated once, cached; K then follows the acceptance seen).
-        use_mtp: False decodes plainly (one token per forward), the baseline.
-        max_kv_slots: most KV slots held by the running batch (rows times
-            its per-row capacity); default max_batch times the context.
-        prefill_chunk: prompt tokens prefilled per engine step while other
-            streams decode.
+        options: the engine's settings (`options.EngineOptions`); or give them as keywords of the same names
+            (`max_batch=`, `depth=`, ...: `**settings`), not both.
         tokenizer: with `decode(ids)`, for text and stop strings (default:
             the runtime's).
-        context: most prompt + generated tokens of one request (default:
-            the model's `max_position_embeddings`).
-        prefix_cache_bytes: most bytes of prompt caches kept for later prompts
-            that start alike (`prefix_cache.PrefixCache`; 0: off); prefix_cache_dir, prefix_cache_disk_bytes,
-            prefix_block_tokens: its disk tier (kept across restarts), the tier's cap, the slots of its blocks.
-        kv_bits, kv_group_size: KV stored quantized (as `generate_batched`'s); None: the runtime's setting.
+
+    Attributes:
+        options: the settings it runs with.
+        launch_ahead, compact_rows: the options' switches (either may be changed between steps).
 
     Raises:
         ValueError / TypeError: naming a bad argument; a trunk with
@@ -66,47 +60,36 @@ class Engine(PrefillPhase):
             state cannot be captured per position).
     """
 
-    def __init__(
-        self,
-        runtime: Any,
-        *,
-        max_batch: int = 8,
-        depth: int | str | dict[int, int] = "auto",
-        use_mtp: bool = True,
-        max_kv_slots: int | None = None,
-        prefill_chunk: int = 256,
-        tokenizer: Any = None,
-        context: int | None = None,
-        prefix_cache_bytes: int = 0,
-        prefix_cache_dir: Any = None, prefix_cache_disk_bytes: int = 4 << 30, prefix_block_tokens: int = 32,
-        kv_bits: int | None = None, kv_group_size: int = 64,
-    ):
+    def __init__(self, runtime: Any, options: EngineOptions | None = None, *, tokenizer: Any = None,
+                 **settings: Any):
+        o = self.options = EngineOptions.given(options, settings)
         self.rt = runtime
-        self._kv = None if kv_bits is None else check_kv_quantization(kv_bits, kv_group_size)
-        self.max_batch = as_int("max_batch", max_batch, lo=1, hi=1 << 16)
+        self._kv = None if o.kv_bits is None else check_kv_quantization(o.kv_bits, o.kv_group_size)
+        self.max_batch = as_int("max_batch", o.max_batch, lo=1, hi=1 << 16)
         self.mtp, self.depth, self._route, self._depths = engine_depths(
-            runtime, bool(use_mtp), depth, self.max_batch, self.per_batch_depth)
+            runtime, bool(o.use_mtp), o.depth, self.max_batch, self.per_batch_depth)
         self.cycle_depth = self.depth  # the running batch's K (self.depth: the deepest a batch may run)
         self._rechoose = False  # the acceptance seen moved K: recompose the batch at the new K
         default_ctx = admission.model_context(runtime)
-        self.context = as_int("context", context if context is not None else default_ctx, lo=2)
-        self.max_kv_slots = as_int("max_kv_slots", max_kv_slots if max_kv_slots is not None
+        self.context = as_int("context", o.context if o.context is not None else default_ctx, lo=2)
+        self.max_kv_slots = as_int("max_kv_slots", o.max_kv_slots if o.max_kv_slots is not None
                                    else self.max_batch * admission.capacity(self.context), lo=1)
-        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk, lo=1)
-        self.prefix = PrefixCache.for_runtime(runtime, prefix_cache_bytes, prefix_cache_dir, prefix_cache_disk_bytes,
-                                              prefix_block_tokens)
+        self.prefill_chunk = as_int("prefill_chunk", o.prefill_chunk, lo=1)
+        self.launch_ahead, self.compact_rows = bool(o.launch_ahead), bool(o.compact_rows)
+        self.prefix = PrefixCache.for_runtime(runtime, o.prefix_cache_bytes, o.prefix_cache_dir,
+                                              o.prefix_cache_disk_bytes, o.prefix_block_tokens)
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
         self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
         self.vocab = int(runtime.vocab_size)
         self.rules = RequestRules(self.vocab, self.depth, self.mtp, self.context, self.max_kv_slots,
                                   self.tokenizer)
         self._ids = itertools.count()
-        self._inbox: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[RowRecord | None] = queue.SimpleQueue()
         self._rng = np.random.default_rng()
-        # Engine-thread state.
-        self._waiting: deque[Request] = deque()
-        self._ready: list[Request] = []  # prefilled, not merged yet
-        self._live: list[Request] = []  # rows of the running batch, in order
+        # Engine-thread state: the records of the requests (`rows.RowRecord`), the clients' handles are theirs.
+        self._waiting: deque[RowRecord] = deque()
+        self._ready: list[RowRecord] = []  # prefilled, not merged yet
+        self._live: list[RowRecord] = []  # rows of the running batch, in order
         self._batch: Batch | None = None
         self._batches: dict[BatchShape, Batch] = {}
         self._next: mx.array | None = None  # [B, K + 1] (x0, drafts) or [B, 1]
@@ -114,6 +97,7 @@ class Engine(PrefillPhase):
         self._info: mx.array | None = None
         self._streams: Streams | None = None
         self._guide: Any = None  # the running batch's constraints (`batching.constrained`), or None
+        self._log = StepLog()  # what the step under way did (`step`'s result)
         self.cycle_count = 0
         self.stats = BatchedDecodeResult(depth=self.depth if self.mtp else 0)
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
@@ -153,12 +137,11 @@ class Engine(PrefillPhase):
             TypeError / ValueError: naming the bad argument; a request that
                 could never fit (context or `max_kv_slots`).
         """
-        req = self.rules.request(next(self._ids), prompt, self._rng, max_tokens=max_tokens, sampler=sampler,
-                            stop_token_ids=stop_token_ids, stop=stop, seed=seed, on_event=on_event,
-                            logprobs=logprobs, depth=depth)
-        req.constraint = constrained.check_constraint(constraint)
-        self._inbox.put(req)
-        return req
+        rec = self.rules.request(next(self._ids), prompt, self._rng, max_tokens=max_tokens, sampler=sampler,
+                                 stop_token_ids=stop_token_ids, stop=stop, seed=seed, on_event=on_event,
+                                 logprobs=logprobs, depth=depth, constraint=constraint)
+        self._inbox.put(rec)
+        return rec.req
 
     # -- the engine thread -------------------------------------------------------
 
@@ -213,8 +196,12 @@ class Engine(PrefillPhase):
         batch = self._batch
         return 0 if batch is None else batch.kv_bytes
 
-    def step(self) -> bool:
-        """One engine step (admit, prefill a chunk, recompose, one cycle). False when idle."""
+    def step(self) -> StepResult:
+        """One engine step (admit, prefill a chunk, recompose, one cycle): what it did (`steps.StepResult`).
+
+        The result is falsy when the engine is idle afterwards (nothing waiting, prefilling or decoding), so
+        `while engine.step(): ...` steps until every request has ended.
+        """
         for item in self.take_inbox():
             self.admit(item)
         self._drop_cancelled()
@@ -223,12 +210,12 @@ class Engine(PrefillPhase):
             self._recompose()
         if self._live:
             self._cycle()
-        return bool(self._live or self._ready or self._waiting)
+        return self._log.result(not (self._live or self._ready or self._waiting))
 
     # -- admission ---------------------------------------------------------------
 
-    def take_inbox(self) -> list[Request]:
-        """The requests submitted since the last look (without the stop marker)."""
+    def take_inbox(self) -> list[RowRecord]:
+        """The records of the requests submitted since the last look (without the stop marker)."""
         items = []
         while True:
             try:
@@ -238,10 +225,11 @@ class Engine(PrefillPhase):
             if item is not None:
                 items.append(item)
 
-    def admit(self, r: Request) -> None:
+    def admit(self, r: RowRecord) -> None:
         """Queues a submitted request for prefill (engine thread)."""
         self._waiting.append(r)
         self.counters["submitted"] += 1
+        self._log.admitted.append(r.id)
 
     def _drop_cancelled(self) -> None:
         for q in (self._waiting, self._ready):
@@ -260,7 +248,8 @@ class Engine(PrefillPhase):
         if not needs_rebuild(live, ready, self._rechoose, self.compact_rows):
             return
         self._rechoose = False
-        if self._inflight is not None:
+        drained = self._inflight is not None
+        if drained:
             # The cycle launched ahead ran on the old rows: commit it first.
             p, self._inflight = self._inflight, None
             self._read(p)
@@ -271,6 +260,10 @@ class Engine(PrefillPhase):
             self.prefix.store_finished(self._live, self._batch.caches())
         new = [self._ready[i] for i in plan.join]
         reqs = [self._live[i] for i in plan.keep] + new
+        self._log.recomposed = Recomposition(
+            tuple(self._live[i].id for i in plan.keep), tuple(r.id for r in new),
+            tuple(r.id for i, r in enumerate(self._live) if i not in plan.keep),
+            None if plan.shape is None else plan.shape.depth, drained)
         self._ready = []
         old = self._batch.unload(self._next, self._info) if self._batch is not None else None
         self._batch = None
@@ -300,12 +293,6 @@ class Engine(PrefillPhase):
         self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
 
     per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)
-
-    #: Launch each cycle before reading the one before it (off: one cycle at a
-    #: time, for side-by-side measurements; the tokens are the same).
-    launch_ahead = True
-    #: Drop finished rows once at most half of the batch decodes (off: only when every row has finished).
-    compact_rows = True
 
     def _launch(self) -> Any:
         """Launches the running batch's next cycle (device work only)."""
@@ -337,7 +324,8 @@ class Engine(PrefillPhase):
         except Exception as e:  # noqa: BLE001 - the batch's state is unknown: fail its rows
             self._fail_batch(e)
             return
-        self._read(p)
+        if self._read(p):
+            self._log.cycle = CycleRun(self.cycle_depth if self.mtp else 0, len(self._live))
         if self._depths is not None and self._live and self._depths.observe(
                 self.stats.reached, self.stats.accepted_at, len(self._live), self.cycle_depth):
             self._rechoose = True
@@ -349,8 +337,9 @@ class Engine(PrefillPhase):
             self._batch.unload(None, None)
         self._batch, self._live, self._next, self._info, self._inflight = None, [], None, None, None
 
-    def _read(self, p: Any) -> None:
-        """The cycle's one host read, then each live stream's commit."""
+    def _read(self, p: Any) -> bool:
+        """The cycle's one host read, then each live stream's commit; False when it was no decode cycle (it
+        failed, or it was launched ahead after every row had finished)."""
         st, reqs = self._streams, self._live
         try:  # one wait: the logprobs (if any) and a constrained batch's next tokens come with the bundle
             extra = [p.logprobs] if p.logprobs is not None else []
@@ -362,10 +351,10 @@ class Engine(PrefillPhase):
             self.stats.sync_wait_s += time.perf_counter() - t
         except Exception as e:  # noqa: BLE001
             self._fail_batch(e)
-            return
+            return False
         live = constrained.live_rows(reqs, st)
         if not any(live):  # a cycle launched ahead after every row had finished: wasted, not a decode cycle
-            return
+            return False
         self.stats.cycles += 1
         self.stats.forwards += 1
         self.stats.host_syncs += 1
@@ -381,45 +370,48 @@ class Engine(PrefillPhase):
                 st.done[i] = True
                 self._fail(r, RuntimeError(e.detail) if isinstance(e, InvalidRow) else e)
                 continue
-            r.cycles += 1
+            r.req.cycles += 1
             n = int(b[i, 1]) if self.mtp else None
             self._commit_host(r, new, reason, lp=cycle_entries(r, lp, i, n, dropped, len(new)))
         if self._guide is not None:
             still = constrained.live_rows(reqs, st)  # the rows' next mask; forced drafts go into the next tokens
             self._next, self._info = constrained.after_cycle(self._guide, self._batch.policy, p, b, live, still, self.mtp,
                                                              self._next, self._info)
+        return True
 
     # -- host side of a request ---------------------------------------------------
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
+    def _commit_host(self, r: RowRecord, new: list[int], reason: str | None, valid: bool = True,
+                     lp: Any = None) -> None:
+        """Delivers what request r committed to its handle (tokens, text, logprobs, its "tokens" event), and its
+        end when `reason` (or a stop string) ends it."""
         if not valid:
             self._fail(r, RuntimeError(f"request {r.id}: invalid first token (non-finite logits)"))
             return
-        if r.first_token_s is None and new:
-            r.first_token_s = time.perf_counter()
-        r.tokens.extend(new)
-        r.token_logprobs.extend(lp or ())
         self.counters["generated_tokens"] += len(new)
+        self._log.commit(r.id, len(new))
         text = ""
         if r.detok is not None:
             text, cut = r.detok.push(new, final=reason is not None)
             if cut:
                 reason = "stop"
         try:
-            r.emit(Event("tokens", tokens=list(new), text=text, logprobs=lp))
+            r.req.commit(new, text, lp)
         except Exception as e:  # noqa: BLE001 - a failing callback fails its request only
             self._fail(r, e)
             return
         if reason is not None:
             self._finish(r, reason)
 
-    def _finish(self, r: Request, reason: str) -> None:
+    def _finish(self, r: RowRecord, reason: str) -> None:
         if r.finish(reason):
             self.counters["cancelled" if reason == "cancelled" else "finished"] += 1
+            self._log.finished.append(r.id)
 
-    def _fail(self, r: Request, e: BaseException) -> None:
+    def _fail(self, r: RowRecord, e: BaseException) -> None:
         if r.fail(str(e) or type(e).__name__):
             self.counters["failed"] += 1
+            self._log.finished.append(r.id)
 
     def fail_all(self, why: str) -> None:
         """Ends every open request with an error event (engine thread)."""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtplx_ext.batching.engine import Engine
+from mtplx_ext.batching.options import EngineOptions
 from mtplx_ext.batching.requests import Event
 from mtplx_ext.decode import autodepth, session
 from mtplx_ext.decode.constraint import Constraint
@@ -129,9 +130,10 @@ def generate_batched(
     constraints = _constraints(constraints, len(prompts))
     mtp = use_mtp and max_new_tokens > 1  # one token per stream is the prefill's: nothing to draft
     width = max(len(p) for p in prompts)
-    eng = Engine(runtime, max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
-                 context=width + max_new_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size)
-    eng.launch_ahead, eng.compact_rows = not serial, bool(compact_rows)
+    eng = Engine(runtime, EngineOptions(
+        max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
+        context=width + max_new_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size, launch_ahead=not serial,
+        compact_rows=bool(compact_rows)))
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(eng.submit(p, max_tokens=max_new_tokens, sampler=samplers[i], stop_token_ids=stop_ids,

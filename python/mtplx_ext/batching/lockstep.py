@@ -34,6 +34,7 @@ import os
 import time
 import zlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import mlx.core as mx
@@ -49,7 +50,10 @@ from mtplx_ext.batching.collective import (
     lost_peer_message,
 )
 from mtplx_ext.batching.engine import Engine
-from mtplx_ext.batching.requests import Event, Request
+from mtplx_ext.batching.options import EngineOptions
+from mtplx_ext.batching.requests import Event, Request, RowSettings
+from mtplx_ext.batching.rows import RowRecord
+from mtplx_ext.batching.steps import StepResult
 from mtplx_ext.sampling import SamplerConfig
 
 _SAMPLER_FIELDS = ("temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -68,7 +72,7 @@ class LockstepEngine(Engine):
         runtime: a runtime split across `group` (`checkpoints.sharded.load`).
         group: the `mx.distributed.Group`; rank 0 takes requests.
         watchdog: beaten at every exchange (None: no watchdog).
-        **kwargs: as for `Engine`; `depth="auto"` (the default) agrees across
+        options, **kwargs: as for `Engine`; `depth="auto"` (the default) agrees across
             ranks only after `collective.agree_auto_depth(group, runtime,
             [max_batch])` (the CLI calls it); ranks that disagree are
             reported at the next step, by the committed-token hash.
@@ -76,14 +80,15 @@ class LockstepEngine(Engine):
 
     per_batch_depth = False  # one K, agreed by the ranks
 
-    def __init__(self, runtime: Any, group: Any, *, watchdog: Watchdog | None = None, **kwargs: Any):
-        super().__init__(runtime, **kwargs)
+    def __init__(self, runtime: Any, group: Any, options: EngineOptions | None = None, *,
+                 watchdog: Watchdog | None = None, **kwargs: Any):
+        super().__init__(runtime, options, **kwargs)
         self.group = group
         self.rank = group.rank()
         self.watchdog = watchdog
-        self._pending: list[Request] = []  # submitted on rank 0, not sent yet
+        self._pending: list[RowRecord] = []  # submitted on rank 0, not sent yet
         self._agreed: set[int] = set()  # ids sent to every rank
-        self._known: dict[int, Request] = {}
+        self._known: dict[int, RowRecord] = {}
         self._cancelled: set[int] = set()  # cancellations sent to every rank
         self._crc = 0
         self.exchanges = 0
@@ -127,13 +132,13 @@ class LockstepEngine(Engine):
                 time.sleep(0.02)
         super().stop(timeout, reason)
 
-    def admit(self, r: Request) -> None:
+    def admit(self, r: RowRecord) -> None:
         if r.id not in self._agreed:  # taken off the inbox by the idle loop: sent at the next step
             self._pending.append(r)
             return
         super().admit(r)
 
-    def _message(self, new: list[Request]) -> bytes:
+    def _message(self, new: list[RowRecord]) -> bytes:
         cancel = [rid for rid, r in self._known.items() if r.cancelled and rid not in self._cancelled and not r.done]
         if not new and not cancel:
             return b""
@@ -149,11 +154,11 @@ class LockstepEngine(Engine):
 
     # -- every rank: the exchange -------------------------------------------------
 
-    def take_inbox(self) -> list[Request]:
+    def take_inbox(self) -> list[RowRecord]:
         """The step's agreed admissions, in rank 0's order; cancellations marked; the stop flag read."""
         if self.closed:
             return []
-        new: list[Request] = []
+        new: list[RowRecord] = []
         payload = b""
         if self.rank == 0:
             new = self._pending + super().take_inbox()
@@ -181,7 +186,7 @@ class LockstepEngine(Engine):
             for rid in msg["cancel"]:
                 r = self._known.get(rid)
                 if r is not None and self.rank != 0:
-                    r.cancel()
+                    r.req.cancel()  # (no client here: rank 0's cancellation, mirrored)
         else:
             new = [] if self.rank != 0 else new
         for r in new:
@@ -191,25 +196,24 @@ class LockstepEngine(Engine):
             self.closed = True
         return new
 
-    def _request(self, spec: dict) -> Request:
-        """Rank > 0: the Request rank 0 built, from its sent fields."""
+    def _request(self, spec: dict) -> RowRecord:
+        """Rank > 0: the record of the request rank 0 built, from its sent fields."""
         fields = dict(spec["sampler"])
         fields["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))
-        sampler = SamplerConfig(**fields)
         stops = admission.check_stops(spec["stop"], self.tokenizer is not None)
-        r = Request(int(spec["id"]), list(spec["prompt"]), sampler, int(spec["max_tokens"]),
-                    frozenset(spec["stop_ids"]), stops, int(spec["seed"]), None,
-                    depth=int(spec["depth"]), tokenizer=self.tokenizer, logprobs=spec["logprobs"])
-        r.need = admission.request_need(len(r.prompt), r.max_tokens, self.depth, self.mtp)
-        return r
+        settings = RowSettings(SamplerConfig(**fields), int(spec["seed"]), int(spec["max_tokens"]),
+                               frozenset(spec["stop_ids"]), stops, int(spec["depth"]), spec["logprobs"])
+        prompt = list(spec["prompt"])
+        need = admission.request_need(len(prompt), settings.max_tokens, self.depth, self.mtp)
+        return RowRecord.new(int(spec["id"]), prompt, settings, need, tokenizer=self.tokenizer)
 
     # -- the step -----------------------------------------------------------------
 
-    def step(self) -> bool:
+    def step(self) -> StepResult:
         if self.closed:
-            return False
+            return StepResult()
         try:
-            busy = super().step()
+            res = super().step()
         except DistributedError as e:  # every rank sees the same gathered hashes: all end here
             os.write(2, f"mtplx-ext: error: rank {self.rank}: {e}; exiting\n".encode())
             os._exit(4)
@@ -223,7 +227,9 @@ class LockstepEngine(Engine):
             self._cancelled.discard(rid)
         if self.closed:  # the stop flag: no step after this one holds a collective
             self.fail_all("the engine stopped")
-        return busy
+            res = replace(res, finished=res.finished + tuple(self._log.finished))  # they end in this step
+            self._log.clear()
+        return res
 
     def _drop_cancelled(self) -> None:
         # Only cancellations every rank has been sent (never a flag set since the exchange).
@@ -235,7 +241,8 @@ class LockstepEngine(Engine):
             if r.id in self._cancelled and r.finish_reason is None:
                 self._finish(r, "cancelled")
 
-    def _commit_host(self, r: Request, new: list[int], reason: str | None, valid: bool = True, lp: Any = None) -> None:
+    def _commit_host(self, r: RowRecord, new: list[int], reason: str | None, valid: bool = True,
+                     lp: Any = None) -> None:
         self._crc = zlib.crc32(np.asarray([r.id, *new], dtype=np.int64).tobytes(), self._crc)
         super()._commit_host(r, new, reason, valid, lp=lp)
 

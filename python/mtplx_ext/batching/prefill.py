@@ -20,7 +20,7 @@ import numpy as np
 
 from mtplx_ext.batching import admission, constrained
 from mtplx_ext.batching.batch import Rows, prefill_cycle
-from mtplx_ext.batching.requests import Request
+from mtplx_ext.batching.rows import RowRecord
 from mtplx_ext.batching.scheduler import Waiting, plan_prefill
 from mtplx_ext.batching.token_logprobs import prefill_entry
 from mtplx_ext.cache.rows import RowState
@@ -110,7 +110,7 @@ class PrefillPhase:
                     self._waiting.remove(r)
                 self._prefill_group(together)
 
-    def _prefill_alone(self, r: Request, chunks: int, start: bool) -> None:
+    def _prefill_alone(self, r: RowRecord, chunks: int, start: bool) -> None:
         """Forwards up to `chunks` chunks of r's prompt (starting its prefill first); r leaves the queue when done."""
         try:
             if start:
@@ -119,6 +119,7 @@ class PrefillPhase:
             for _ in range(chunks):
                 tokens = min(self.prefill_chunk, len(r.prompt) - r.prefill_pos)  # what this next() forwards
                 self.counters["prefill_tokens"] += tokens
+                self._log.prefill(r.id, tokens)
                 try:
                     next(gen)
                     r.prefill_pos += tokens
@@ -132,13 +133,15 @@ class PrefillPhase:
                 self._waiting.remove(r)
             self._fail(r, e)
 
-    def _prefill_group(self, reqs: list[Request]) -> None:
+    def _prefill_group(self, reqs: list[RowRecord]) -> None:
         """Prefills whole prompts together in one left-padded forward (`batching.prefill`)."""
         try:
             k = self._prefill_depth(len(reqs))
             cap = admission.capacity(max(r.need for r in reqs))
             cyc, padded, pads = group_cycle(self.rt, reqs, cap, k, self.mtp)
             self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+            for r in reqs:
+                self._log.prefill(r.id, len(r.prompt))
             tokens, info = cyc.prefill(padded)
             rows = group_rows(cyc, pads, tokens, info)
         except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
@@ -153,16 +156,17 @@ class PrefillPhase:
         """The K of the batch that prefilled rows would join (their first drafts)."""
         return self._depths.expected(len(self._live) + len(self._ready) + joining) if self._depths else self.depth
 
-    def _start_prefill(self, r: Request) -> None:
+    def _start_prefill(self, r: RowRecord) -> None:
         cap = admission.capacity(r.need)
         k = self._prefill_depth(1)
         cyc = prefill_cycle(self.rt, r, cap, k, self.mtp)
         constrained.start_prefill(cyc, r, self.vocab, k + 1 if self.mtp else 1)
         r.prefill_from = self.prefix.resume(r.prompt, cyc.caches(), cap) if self._prefix_ok else 0
+        r.req.cached_tokens = r.prefill_from
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
-    def _finish_prefill(self, r: Request, cyc: Cycle, tokens: mx.array, info: Any,
+    def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array, info: Any,
                         grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
         """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
         r.prefill, x0 = None, int(np.array(tokens)[0, 0])
@@ -176,7 +180,7 @@ class PrefillPhase:
         # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
         # cycle's bundle then starts with it again.
         constrained.finish_prefill(r, x0, self.mtp)
-        r.cycles = 0
+        self._log.prefilled.append(r.id)
         self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
                           valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
         if r.finish_reason is not None:

@@ -1,9 +1,11 @@
-"""What a client hands the engine and what it gets back: `Request` and its `Event`s.
+"""What a client hands the engine and what it gets back: its `RowSettings`, the `Request` handle and its `Event`s.
 
 A `Request` is created by `Engine.submit` on any thread and read there: its
 events arrive on a queue (`events()`, `wait()`) or through a callback that
-runs on the engine's thread. The engine thread alone writes the fields under
-"engine-thread state".
+runs on the engine's thread. It holds what the client sees only; the
+engine's working state of the request is its own record (`rows.RowRecord`),
+and the engine thread alone writes the handle's fields (through `commit`,
+`finish` and `fail`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from mtplx_ext.batching.detok import Detokenizer
-from mtplx_ext.batching.scheduler import RowInfo
 from mtplx_ext.decode.stats import DraftStats
 from mtplx_ext.sampling import SamplerConfig
 
@@ -43,55 +43,107 @@ class Event:
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
-class Request:
-    """One submitted request; read its tokens as they are committed.
+@dataclass(frozen=True)
+class RowSettings:
+    """What a request asked for, checked (`rules.RequestRules`) and fixed at `submit`: what the engine's runner
+    reads of its row. A new per-request feature adds its field here (and its check to `rules`).
+
+    Attributes:
+        sampler: its `SamplerConfig` (greedy, sampled, penalties, logit bias).
+        seed: the sampled path's seed (drawn when the client gave none).
+        max_tokens: cap on generated tokens.
+        stop_ids: tokens that end it (kept).
+        stop: strings that end it (cut from its text).
+        depth: the most drafts one cycle may commit for it (0: one token per cycle).
+        logprobs: None, or the alternatives per token it asked for (0..20).
+        constraint: a `Constraint` (a grammar) of this request only, or None.
+    """
+
+    sampler: SamplerConfig
+    seed: int
+    max_tokens: int
+    stop_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    depth: int = 0
+    logprobs: int | None = None
+    constraint: Any = None
+
+
+class SettingsView:
+    """Read-only views of a request's `settings` (a `RowSettings`), by name (`req.sampler`, `req.depth`, ...)."""
+
+    settings: RowSettings
+
+    @property
+    def sampler(self) -> SamplerConfig:
+        return self.settings.sampler
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def max_tokens(self) -> int:
+        return self.settings.max_tokens
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.settings.stop_ids
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        return self.settings.stop
+
+    @property
+    def depth(self) -> int:
+        """The most drafts one cycle may commit for it (0: one token per cycle)."""
+        return self.settings.depth
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.settings.logprobs
+
+    @property
+    def constraint(self) -> Any:
+        return self.settings.constraint
+
+
+class Request(SettingsView):
+    """One submitted request, the client's handle: read its tokens as they are committed.
+
+    The engine keeps its own record of the request (`rows.RowRecord`); it reaches this handle only to
+    deliver what it committed (`commit`) and its end (`finish`, `fail`), on its own thread.
 
     Attributes:
         id: the engine's request number.
         prompt: prompt token ids.
+        settings: what it asked for (`RowSettings`); `sampler`, `seed`, `max_tokens`, `stop_ids`, `stop`,
+            `depth`, `logprobs` and `constraint` read them.
         tokens: committed token ids so far.
-        text: final text so far (with a tokenizer).
+        text: final text so far (with a tokenizer; stop strings cut it).
         finish_reason: None while running, else "stop", "length", "cancelled" or "error".
         error: the failure message, if any.
-        depth: the most drafts one cycle may commit for it (0: one token per cycle).
         stats: the request's own MTP statistics (`DraftStats`).
         cycles: decode cycles its row ran in.
+        cached_tokens: prompt tokens its prefill loaded from the prefix cache instead of forwarding them.
         submitted_s, first_token_s, finished_s: `time.perf_counter()` stamps.
-        logprobs: None, or the alternatives per token it asked for (0..20).
         token_logprobs: per committed token, (logprob, alternatives): the
             raw log-softmax of the target's logits (`engine.logprobs`).
     """
 
-    def __init__(
-        self,
-        rid: int,
-        prompt: list[int],
-        sampler: SamplerConfig,
-        max_tokens: int,
-        stop_ids: frozenset[int],
-        stop: tuple[str, ...],
-        seed: int,
-        on_event: Callable[[Event], None] | None,
-        depth: int = 0,
-        tokenizer: Any = None,
-        logprobs: int | None = None,
-    ):
+    def __init__(self, rid: int, prompt: list[int], settings: RowSettings,
+                 on_event: Callable[[Event], None] | None = None):
         self.id = rid
-        self.logprobs = logprobs
-        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.lp_next: Any = None  # the entry of the next x0 (engine thread)
         self.prompt = prompt
-        self.sampler = sampler
-        self.max_tokens = max_tokens
-        self.stop_ids = stop_ids
-        self.stop = stop
-        self.seed = seed
+        self.settings = settings
         self.tokens: list[int] = []
+        self.text = ""
+        self.token_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.depth = depth  # most drafts a cycle may commit for it
-        self.stats = DraftStats(depth=depth)
+        self.stats = DraftStats(depth=settings.depth)
         self.cycles = 0  # decode cycles its row ran in
+        self.cached_tokens = 0
         self.submitted_s = time.perf_counter()
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
@@ -99,30 +151,6 @@ class Request:
         self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._done = threading.Event()
         self._cancel = threading.Event()
-        # Engine-thread state.
-        self.detok = Detokenizer(tokenizer, stop) if tokenizer is not None else None
-        self.need = 0  # KV slots this request may use
-        self.prefill: Any = None  # (generator, Cycle) while prefilling
-        self.prefill_from = 0  # prompt positions loaded from the prefix cache
-        self.prefill_pos = 0  # prompt positions in its caches while prefilling
-        self.row: Any = None  # its device rows once prefilled, until merged
-        self.row_index: int | None = None  # its row in `row` when prefilled in a group (None: all of it)
-        self.step_off = 0  # cycle the stream's own step count starts from
-        # MTP: x0 was committed at the prefill; the first bundle repeats it.
-        self.x0_committed = False
-        self.constraint: Any = None  # a `Constraint` (a grammar) of this request only
-
-    def info(self) -> RowInfo:
-        """What the scheduler reads of this request (`scheduler.RowInfo`)."""
-        s = self.sampler
-        kind = "penalties" if s.has_penalties else "greedy" if s.greedy else "sampled"
-        return RowInfo(self.id, self.need, kind, s.has_bias, self.logprobs is not None, self.constraint is not None,
-                       self.depth, self.finish_reason is not None)
-
-    @property
-    def text(self) -> str:
-        """The final text so far ("" without a tokenizer)."""
-        return self.detok.text if self.detok is not None else ""
 
     @property
     def done(self) -> bool:
@@ -181,13 +209,22 @@ class Request:
         return True
 
     def fail(self, message: str) -> bool:
-        """Ends the request with an "error" event and drops its device state; False if it had ended."""
+        """Ends the request with an "error" event (engine thread); False if it had ended."""
         if self.done:
             return False
         self.finish_reason, self.error = "error", message
-        self.prefill = self.row = None
         self.emit(Event("error", error=message))
         return True
+
+    def commit(self, new: list[int], text: str = "", logprobs: list | None = None) -> None:
+        """Delivers committed tokens (engine thread): appended with their text and logprobs, then a "tokens"
+        event (which raises what its callback raised)."""
+        if self.first_token_s is None and new:
+            self.first_token_s = time.perf_counter()
+        self.tokens.extend(new)
+        self.token_logprobs.extend(logprobs or ())
+        self.text += text
+        self.emit(Event("tokens", tokens=list(new), text=text, logprobs=logprobs))
 
     def emit(self, ev: Event) -> None:
         """Delivers an event (engine thread): queue, callback, and the end stamp."""
@@ -199,4 +236,4 @@ class Request:
             self._done.set()
 
 
-__all__ = ["Event", "Request"]
+__all__ = ["Event", "Request", "RowSettings", "SettingsView"]

@@ -123,7 +123,7 @@ class Turn:
 def usage(r: Request, reasoning_tokens: int = 0) -> dict[str, Any]:
     """The Responses API's usage object (`cached_tokens`: prompt tokens loaded from the prefix cache;
     `reasoning_tokens`: those of the reasoning block, `Reply.reasoning_tokens`)."""
-    return {"input_tokens": len(r.prompt), "input_tokens_details": {"cached_tokens": r.prefill_from},
+    return {"input_tokens": len(r.prompt), "input_tokens_details": {"cached_tokens": r.cached_tokens},
             "output_tokens": len(r.tokens), "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": len(r.prompt) + len(r.tokens)}
 

@@ -16,10 +16,11 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from mtplx_ext.batching import Engine
+from mtplx_ext.batching import Engine, EngineOptions
 from mtplx_ext.batching.lockstep import LockstepEngine
 from mtplx_ext.serve.app import API, create_app
 from mtplx_ext.serve import limits, structured
@@ -130,16 +131,16 @@ def build_api(
     ASGI app, for uvicorn (as `serve` runs it) or any other ASGI server or
     client (Starlette's TestClient, httpx's ASGI transport).
     """
-    kwargs = dict(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
-                  prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+    options = EngineOptions(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
+                            prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
     if prefix_cache_dir is not None:
         if group is not None:  # the ranks' caches must decide alike; a disk tier each would not
             raise ValueError("prefix_cache_dir is not supported with a distributed group")
-        kwargs.update(prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
+        options = replace(options, prefix_cache_dir=prefix_cache_dir, prefix_cache_disk_bytes=prefix_cache_disk_bytes)
     if group is not None:
-        engine: Engine = LockstepEngine(runtime, group, watchdog=watchdog, **kwargs)
+        engine: Engine = LockstepEngine(runtime, group, options, watchdog=watchdog)
     else:
-        engine = Engine(runtime, **kwargs)
+        engine = Engine(runtime, options)
     return API(engine, model_name or Path(folder).name, runtime.tokenizer, load_chat_tokenizer(folder), api_key,
                eos_ids(getattr(runtime, "tokenizer", None)), max_body_bytes=max_body_bytes,
                reasoning_markers=reasoning_markers)
@@ -205,9 +206,9 @@ def serve(
     if not shutdown_grace >= 0:
         raise ValueError(f"shutdown_grace must be >= 0 seconds, got {shutdown_grace!r}")
     if group is not None and group.rank() != 0:
-        LockstepEngine(runtime, group, watchdog=watchdog, max_batch=max_batch, depth=depth, use_mtp=use_mtp,
-                       max_kv_slots=max_kv_slots, prefill_chunk=prefill_chunk,
-                       prefix_cache_bytes=prefix_cache_bytes).follow()
+        options = EngineOptions(max_batch=max_batch, depth=depth, use_mtp=use_mtp, max_kv_slots=max_kv_slots,
+                                prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
+        LockstepEngine(runtime, group, options, watchdog=watchdog).follow()
         return
     import uvicorn  # noqa: PLC0415
 
