@@ -194,5 +194,11 @@ def test_public_names_stay_importable_and_moved_ones_warn():
     with pytest.warns(DeprecationWarning, match="mtplx_ext.models.mlx_lm_patches"):
         moved = mtplx_ext.patch_mlx_lm_ops
     assert moved is mlx_lm_patches.patch_mlx_lm_ops
+    # The runtime's building blocks left `__all__` (it holds what users call); they still import, warning.
+    from mtplx_ext.models import packed_linear
+
+    assert "PackedLinear" not in mtplx_ext.__all__ and {"load", "Engine", "verify_sampled_chain"} <= set(mtplx_ext.__all__)
+    with pytest.warns(DeprecationWarning, match="mtplx_ext.models.packed_linear"):
+        assert mtplx_ext.PackedLinear is packed_linear.PackedLinear
     with pytest.raises(AttributeError, match="no_such_name"):
         mtplx_ext.no_such_name  # noqa: B018

@@ -25,6 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from mtplx_ext.models import fused_modules
+
 MODEL = Path(mtplx_ext.__file__).parent / "assets" / "tiny-qwen3-mtp"
 PREFILL = 64
 
@@ -44,7 +46,7 @@ class Setup:
         self.name, self.attention = name, attention
         rt = mtplx_ext.load(MODEL)
         self.trunk = rt.trunk
-        self.replaced = mtplx_ext.fuse_cpu_ops(self.trunk) if fuse else 0
+        self.replaced = fused_modules.fuse_cpu_ops(self.trunk) if fuse else 0
         if batch == 1:
             self.cache = [KVCache() for _ in self.trunk.layers]
         else:

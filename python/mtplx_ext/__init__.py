@@ -8,10 +8,15 @@ The package is layered; each layer imports only the layers below it:
     cache                                ragged KV, rollback / commit, row state, compiled steps
     models                               trunk helpers, MTP head layouts, MTPRuntime, mlx-lm patches
     checkpoints                          load / save / convert / quantize / random models
-    engine                               policies, drafter, cycle, streams, statistics, generate
+    decode                               policies, drafter, cycle, streams, statistics, the reference loop
     batching                             continuous batching: requests, admission, the Engine
     serve                                the OpenAI-compatible HTTP server
     train, benchmark, cli                tools: training, the bench harness, `mtplx-ext`
+
+`__all__` is what a user calls: `load`, the generate functions, `Engine`,
+`SamplerConfig` and the fused primitives; the runtime's building blocks
+(fused and packed modules, ragged caches, compiled steps) are imported from
+their modules.
 
 Import `mtplx_ext` before `mlx.core` on Linux: it routes MLX's CPU matmuls to
 OpenBLAS first (`mtplx_ext.BLAS` says which BLAS is in use).
@@ -52,21 +57,8 @@ from mtplx_ext.ops import (  # noqa: E402
     verify_sampled,
     verify_sampled_chain,
 )
-from mtplx_ext.cache import CompiledStep, QuantizedRaggedKVCache, RaggedKVCache  # noqa: E402
-from mtplx_ext.models import mlx_lm_patches as _patches  # noqa: E402
-from mtplx_ext.models.fused_modules import (  # noqa: E402
-    FusedRMSNorm,
-    FusedRoPE,
-    FusedZeroCentredRMSNorm,
-    fuse_cpu_ops,
-)
-from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, unpack_cpu_linears  # noqa: E402
-from mtplx_ext.models.packed_quantized import (  # noqa: E402
-    PackedQuantizedEmbedding,
-    PackedQuantizedLinear,
-    pack_cpu_quantized,
-    unpack_cpu_quantized,
-)
+import importlib as _importlib  # noqa: E402
+
 from mtplx_ext.models.runtime import MTPRuntime  # noqa: E402
 from mtplx_ext.checkpoints import CheckpointError, init_random, load, save_runtime as save  # noqa: E402
 from mtplx_ext.decode import BatchedDecodeResult, StreamResult  # noqa: E402
@@ -79,31 +71,19 @@ __all__ = [
     "BLAS",
     "BatchedDecodeResult",
     "CheckpointError",
-    "CompiledStep",
     "Engine",
     "EngineOptions",
     "Event",
-    "FusedRMSNorm",
-    "FusedRoPE",
-    "FusedZeroCentredRMSNorm",
     "MTPRuntime",
-    "PackedLinear",
-    "PackedQuantizedEmbedding",
-    "PackedQuantizedLinear",
-    "QuantizedRaggedKVCache",
-    "RaggedKVCache",
     "Request",
     "SamplerConfig",
     "StepResult",
     "StreamResult",
-    "fuse_cpu_ops",
     "gated_delta_capture",
     "generate_batched",
     "generate_greedy_batched",
     "init_random",
     "load",
-    "pack_cpu_linears",
-    "pack_cpu_quantized",
     "pack_quantized_weight",
     "pack_linear_weight",
     "packed_linear",
@@ -118,8 +98,6 @@ __all__ = [
     "scaled_dot_product_attention",
     "snapshot_state",
     "swiglu",
-    "unpack_cpu_linears",
-    "unpack_cpu_quantized",
     "unpack_linear_weight",
     "verify_greedy",
     "verify_greedy_chain",
@@ -127,13 +105,28 @@ __all__ = [
     "verify_sampled_chain",
 ]
 
-#: Names that moved off the top level: still importable here, with a warning.
+#: Names that moved off the top level: still importable here, with a warning naming their module.
+#: (The runtime's building blocks: `load` applies them; users who assemble a model by hand import them there.)
 _MOVED = {
     "AttentionPatch": "mtplx_ext.models.mlx_lm_patches",
     "MlxLmPatch": "mtplx_ext.models.mlx_lm_patches",
     "patch_mlx_lm_attention": "mtplx_ext.models.mlx_lm_patches",
     "patch_mlx_lm_ops": "mtplx_ext.models.mlx_lm_patches",
     "patch_mlx_lm_swiglu": "mtplx_ext.models.mlx_lm_patches",
+    "CompiledStep": "mtplx_ext.cache",
+    "RaggedKVCache": "mtplx_ext.cache",
+    "QuantizedRaggedKVCache": "mtplx_ext.cache",
+    "FusedRMSNorm": "mtplx_ext.models.fused_modules",
+    "FusedRoPE": "mtplx_ext.models.fused_modules",
+    "FusedZeroCentredRMSNorm": "mtplx_ext.models.fused_modules",
+    "fuse_cpu_ops": "mtplx_ext.models.fused_modules",
+    "PackedLinear": "mtplx_ext.models.packed_linear",
+    "pack_cpu_linears": "mtplx_ext.models.packed_linear",
+    "unpack_cpu_linears": "mtplx_ext.models.packed_linear",
+    "PackedQuantizedEmbedding": "mtplx_ext.models.packed_quantized",
+    "PackedQuantizedLinear": "mtplx_ext.models.packed_quantized",
+    "pack_cpu_quantized": "mtplx_ext.models.packed_quantized",
+    "unpack_cpu_quantized": "mtplx_ext.models.packed_quantized",
 }
 
 
@@ -142,4 +135,4 @@ def __getattr__(name: str):
     if where is None:
         raise AttributeError(f"module 'mtplx_ext' has no attribute {name!r}")
     _warnings.warn(f"mtplx_ext.{name} moved to {where}.{name}", DeprecationWarning, stacklevel=2)
-    return getattr(_patches, name)
+    return getattr(_importlib.import_module(where), name)

@@ -21,6 +21,7 @@ import mtplx_ext
 from mtplx_ext import cli
 from mtplx_ext.checkpoints import convert
 from mtplx_ext.checkpoints import CheckpointError
+from mtplx_ext.models import packed_quantized
 from mtplx_ext.shipped import EOS_TOKEN, SHIPPED_MODEL
 import _seed
 
@@ -289,13 +290,13 @@ def test_mtp_greedy_decoding_of_a_quantized_folder_is_lossless_against_mlx_lm(tm
     n = 20
     # On the CPU `load` packs the quantized layers (int8 activations): MTP must commit exactly
     # the packed model's own plain tokens.
-    assert any(isinstance(m, mtplx_ext.PackedQuantizedLinear) for m in rt.modules())
+    assert any(isinstance(m, packed_quantized.PackedQuantizedLinear) for m in rt.modules())
     plain = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, use_mtp_draft=False)
     res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, depth=1)
     assert res.drafted > 0
     assert [s.tokens for s in res.streams] == [s.tokens for s in plain.streams]
     # With mlx's quantized layers (as a GPU runs them) the same folder decodes as mlx-lm does.
-    mtplx_ext.unpack_cpu_quantized(rt)
+    packed_quantized.unpack_cpu_quantized(rt)
     res = mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=n, depth=1)
     assert res.drafted > 0
     assert_lossless(res.streams, [reference_greedy(model, p, n) for p in prompts])
