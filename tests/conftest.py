@@ -1,6 +1,7 @@
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 # Each worker process of a parallel run (pytest-xdist) gets a temp directory
 # of its own before anything compiles: MLX's CPU backend keeps the kernels it
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tools"))
 
 import pytest  # noqa: E402
 
+import _compiler_shim  # noqa: E402
 import _kernel_share  # noqa: E402
 import _seed  # noqa: E402
 
@@ -31,8 +33,16 @@ import _seed  # noqa: E402
 SESSION_SEED = _seed.session_seed()
 
 
+# Once, in the process that starts the workers (they and every subprocess inherit PATH): MLX's fused
+# kernels compile against a precompiled header (`_compiler_shim`).
+_PCH = None
+if not os.environ.get("PYTEST_XDIST_WORKER"):
+    _PCH = _compiler_shim.install(Path(tempfile.mkdtemp(prefix="mtplx-tests-pch-")))
+
+
 def pytest_report_header(config):
-    return [f"test seed: {SESSION_SEED} (replay: {_seed.ENV}={SESSION_SEED}; new cases: {_seed.ENV}=fresh)"]
+    lines = [f"test seed: {SESSION_SEED} (replay: {_seed.ENV}={SESSION_SEED}; new cases: {_seed.ENV}=fresh)"]
+    return lines + ([_PCH] if _PCH else [])
 
 
 def pytest_configure(config):

@@ -10,7 +10,8 @@ in each of `--repeats` rounds, so the machine's drift hits them alike;
 tokens/s and latencies are medians over the rounds, MTP/plain the median of
 the per-round ratios.
 
-    python bench/scripts/serve_load.py --concurrency 1,4,8,16 --requests 16 --tokens 64 [--repeats 3] [--mlx-lm] [--json out.json]
+    python bench/scripts/serve_load.py --concurrency 1,4,8,16 --requests 16 --tokens 64 [--repeats 3]
+        [--fixed-depths 1,3] [--mlx-lm] [--json out.json]
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--depth", default="auto", help="the MTP server's --depth (default auto, as mtplx-ext serve)")
+    ap.add_argument("--fixed-depths", default="",
+                    help="also servers at these fixed --depth values (e.g. 1,3): the default must match the best")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model", default=str(SHIPPED_MODEL), help="model folder (default: the shipped model)")
     ap.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's own server on the same folder")
@@ -136,6 +139,8 @@ def main() -> None:
           f"{streaming_floor_s(trunk_bytes, bw) * 1e3:.2f} ms per step", flush=True)
     serve = [sys.executable, "-m", "mtplx_ext.cli", "serve", "--model", folder, "--max-batch", str(max(concs))]
     servers = {"mtp": serve + ["--depth", str(a.depth)], "plain": serve + ["--no-mtp"]}
+    for k in [int(k) for k in a.fixed_depths.split(",") if k.strip()]:
+        servers[f"depth{k}"] = serve + ["--depth", str(k)]
     if a.mlx_lm:
         servers["mlx_lm"] = [sys.executable, "-m", "mlx_lm.server", "--model", folder]
     procs, bases = {}, {}
@@ -177,6 +182,20 @@ def main() -> None:
         lat = " | ".join(f"{r['ttft_p50_ms']:.0f}/{r['ttft_p99_ms']:.0f} | {r['itl_p50_ms']:.1f}/{r['itl_p99_ms']:.1f}"
                          for r in rows.values())
         print(f"| {c} | {cells} | {ratio:.2f}x | {lat} | {sum(r['failed'] for r in rows.values())} |")
+    fixed = [n for n in servers if n.startswith("depth")]
+    if fixed:
+        # The default against the best of plain and each fixed depth, per round (median of the per-round ratios).
+        print("\n| concurrency | best other (median of rounds) | MTP/best other |")
+        for i, c in enumerate(concs):
+            per_round = []
+            for j, m in enumerate(rounds["mtp"][i]):
+                others = {n: rounds[n][i][j]["tokens_per_s"] for n in ["plain", *fixed]}
+                best = max(others, key=others.get)
+                per_round.append((m["tokens_per_s"] / others[best], best))
+            ratio = float(np.median([r for r, _ in per_round]))
+            names = ", ".join(sorted({b for _, b in per_round}))
+            print(f"| {c} | {names} | {ratio:.2f}x |")
+            report.setdefault("vs_best", []).append({"concurrency": c, "ratio": ratio, "best": names})
     if a.json:
         report["floor"] = {"weight_bytes": trunk_bytes, "read_bandwidth": bw}
         report["provenance"] = provenance([a.model])
