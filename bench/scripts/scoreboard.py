@@ -99,8 +99,11 @@ def _llama_cpp_peer(d: dict) -> list[str]:
 
 def _serve_load(d: dict) -> list[str]:
     mtp, plain = d.get("mtp", []), {r["concurrency"]: r for r in d.get("plain", [])}
+    best = {r["concurrency"]: r for r in d.get("vs_best", [])}
     return [f"c{r['concurrency']}: MTP {_fmt(r['tokens_per_s'])} / off {_fmt(plain[r['concurrency']]['tokens_per_s'])} tok/s "
             f"({r['tokens_per_s'] / plain[r['concurrency']]['tokens_per_s']:.2f}x), failed {r['failed']}"
+            + (f"; vs best of off and fixed depths {best[r['concurrency']]['ratio']:.2f}x"
+               if r["concurrency"] in best else "")
             for r in mtp if r["concurrency"] in plain]
 
 

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from mtplx_ext.models.mla import patch_mla_one_formula
 from mtplx_ext.models.mlx_lm_patches import patch_mlx_lm_ops
 from mtplx_ext.ops import gated_delta
 
@@ -60,11 +61,13 @@ def kv_setting(runtime: Any, kv: tuple[int, int] | None) -> Any:
 
 @contextlib.contextmanager
 def decode_session(runtime: Any, route: bool, kv: tuple[int, int] | None = None) -> Iterator[None]:
-    """Wired memory (mlx-lm's `wired_limit`), fused attention, with `route` gated-delta routing, and with
-    `kv` the caches' KV quantization (`kv_setting`)."""
+    """Wired memory (mlx-lm's `wired_limit`), fused attention, with `route` gated-delta routing, with `kv` the
+    caches' KV quantization (`kv_setting`), and DeepSeek-V3's attention in one formula for a plain step and a
+    verification alike (`models.mla`: else MTP would equal plain decoding only up to rounding)."""
     from mlx_lm.generate import wired_limit  # noqa: PLC0415  (mlx_lm.generate imports much)
 
-    with wired_limit(runtime), fused_attention(runtime), route_recurrent(route), kv_setting(runtime, kv):
+    with wired_limit(runtime), fused_attention(runtime), route_recurrent(route), kv_setting(runtime, kv), \
+            patch_mla_one_formula():
         yield
 
 
