@@ -87,6 +87,34 @@ def test_k_moves_only_for_a_predicted_gain_over_the_hysteresis(rng, monkeypatch)
     assert len(flaps) > len(gains) and any(g < 1.03 for g in flaps), (gains, flaps)
 
 
+def test_host_work_each_cycle_moves_k_where_it_pays_with_that_work(rng):
+    # Calibrated cycles where drafting just does not pay at batch 8 (plain wins by a few %); a server then
+    # spends `host` seconds a cycle streaming tokens out, which a deeper K spreads over more tokens.
+    a = float(rng.uniform(0.7, 0.9))
+    c0 = float(rng.uniform(2e-3, 3e-3))
+    c1 = c0 * (1 + a) * float(rng.uniform(1.03, 1.06))
+    c2 = c1 * (1 + a + a * a) / (1 + a) * 1.05  # and K = 2 just not over K = 1
+    costs = {8: DepthCosts(batch=8, cycle_s={"0": c0, "1": c1, "2": c2}, acceptance=[a, a])}
+    d = depths.BatchDepths({8: depths.pick_depth(costs[8], None, None)}, costs=costs)
+    assert d(8) == 0
+    host = float(rng.uniform(0.6, 1.0)) * c0
+    with_host = DepthCosts(batch=8, cycle_s={k: t + host for k, t in costs[8].cycle_s.items()}, acceptance=[a, a])
+    played = {K: simulated_tokens_per_s(with_host, [a, a], K, rng, cycles=20000) for K in range(3)}
+    reached, accepted, k, moved = [0, 0], [0, 0], 0, False
+    for _ in range(12 * depths.CHECK_EVERY):
+        play(reached, accepted, 8, k, [a] * k, rng)
+        d.time(8, k, autodepth.cycle_cost(costs[8], k) + host)
+        if d.observe(reached, accepted, 8, k):
+            moved, k = True, d(8)
+    assert moved and k > 0 and played[k] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (k, played)
+    # The same steps without their wall times leave K at the calibration's choice (the timing is what moves it).
+    blind = depths.BatchDepths({8: 0}, costs=costs)
+    reached, accepted = [0, 0], [0, 0]
+    for _ in range(12 * depths.CHECK_EVERY):
+        play(reached, accepted, 8, 0, [], rng)
+        assert not blind.observe(reached, accepted, 8, 0)
+
+
 @pytest.fixture
 def missing_head(monkeypatch):
     """The shipped model (its own copy) calibrated at acceptance 0.99, so K = 5 pays, with a head that always

@@ -28,7 +28,7 @@ import numpy as np
 
 from mtplx_ext._checks import MAX_DRAFTS, as_int
 from mtplx_ext.batching.admission import decode_mode
-from mtplx_ext.decode.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, tokens_per_s
+from mtplx_ext.decode.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, cycle_cost, tokens_per_s
 from mtplx_ext.decode.generate import auto_costs
 
 #: depth="auto" runs the K of the largest of this many recent batch sizes.
@@ -37,6 +37,8 @@ RECENT_BATCHES = 8
 CHECK_EVERY = 16
 #: A re-picked K replaces the current one only when predicted this much faster (no flapping on noise).
 HYSTERESIS = 0.1
+#: Steps the running estimate of a cycle's host overhead averages over (`BatchDepths.time`).
+OVERHEAD_CYCLES = 32
 
 
 def depth_for(depths: dict[int, int], rows: int) -> int:
@@ -45,13 +47,14 @@ def depth_for(depths: dict[int, int], rows: int) -> int:
     return depths[min(fits)] if fits else depths[max(depths)]
 
 
-def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None) -> int:
-    """A batch size's K >= 0 for `acceptance` (None: the calibration's), moving from `current` only for a
-    predicted gain of at least `HYSTERESIS`."""
-    best = choose_depth(costs, acceptance)
+def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None,
+               overhead_s: float = 0.0) -> int:
+    """A batch size's K >= 0 for `acceptance` (None: the calibration's) and `overhead_s` of host work a
+    cycle, moving from `current` only for a predicted gain of at least `HYSTERESIS`."""
+    best = choose_depth(costs, acceptance, overhead_s)
     if current is None or current == best or str(current) not in costs.cycle_s:
         return best
-    gain = tokens_per_s(costs, best, acceptance) / tokens_per_s(costs, current, acceptance)
+    gain = tokens_per_s(costs, best, acceptance, overhead_s) / tokens_per_s(costs, current, acceptance, overhead_s)
     return best if gain >= 1 + HYSTERESIS else current
 
 
@@ -82,6 +85,8 @@ class BatchDepths:
         if len(lengths) == 1 and 0 not in lengths:
             self.running = RunningAcceptance(np.mean([c.acceptance for c in costs.values()], axis=0))
         self._cycles = 0
+        #: Per calibrated size, the running estimate of each cycle's host work beyond its measured cost.
+        self.overhead_s: dict[int, float] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -103,14 +108,37 @@ class BatchDepths:
         Returns:
             True when the running batch should change K now (the engine recomposes it).
         """
-        if self.running is None or not self.running.observe(reached, accepted):
+        if self.running is None:
+            return False
+        # A cycle at K = 0 drafts nothing to learn from, but its host work (`time`) may still move K off 0.
+        if not self.running.observe(reached, accepted) and k != 0:
             return False
         self._cycles += 1
         if self._cycles % CHECK_EVERY:
             return False
         est = self.running.estimate()
-        self.depths = {b: pick_depth(self.costs[b], est, self.depths.get(b)) for b in self.costs}
+        self.depths = {b: pick_depth(self.costs[b], est, self.depths.get(b), self.overhead_s.get(b, 0.0))
+                       for b in self.costs}
         return depth_for(self.depths, max(self.recent, default=rows)) != k
+
+    def time(self, rows: int, k: int, seconds: float) -> None:
+        """Takes the wall time of one engine step that only decoded (a cycle of `rows` rows at K = `k`).
+
+        What it took beyond the calibrated cycle is host work the calibration
+        does not see (streaming each cycle's tokens to clients, detokenizing,
+        the server's threads): it costs every K the same per cycle, so it
+        favours deeper K, which commit more tokens a cycle. The estimate per
+        calibrated size is an average over the last `OVERHEAD_CYCLES` steps or so.
+        """
+        if self.costs is None or self.running is None:
+            return
+        fits = [b for b in self.costs if b >= rows]
+        b = min(fits) if fits else max(self.costs)
+        if str(k) not in self.costs[b].cycle_s:
+            return
+        sample = max(float(seconds) - cycle_cost(self.costs[b], k), 0.0)
+        old = self.overhead_s.get(b)
+        self.overhead_s[b] = sample if old is None else old + (sample - old) / OVERHEAD_CYCLES
 
 
 def auto_costs_by_size(runtime: Any, max_batch: int) -> dict[int, DepthCosts] | None:

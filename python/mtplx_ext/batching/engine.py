@@ -102,6 +102,7 @@ class Engine(PrefillPhase):
         self.stats = BatchedDecodeResult(depth=self.depth if self.mtp else 0)
         self.counters = {"submitted": 0, "finished": 0, "failed": 0, "cancelled": 0, "prefill_tokens": 0,
                          "generated_tokens": 0, "recompositions": 0, "row_forwards": 0}
+        self._step_end: float | None = None  # when the last step that decoded ended (`_time_step`)
         self._thread: EngineThread | None = None
         self._wired: Any = None
 
@@ -210,7 +211,17 @@ class Engine(PrefillPhase):
             self._recompose()
         if self._live:
             self._cycle()
-        return self._log.result(not (self._live or self._ready or self._waiting))
+        res = self._log.result(not (self._live or self._ready or self._waiting))
+        self._time_step(res)
+        return res
+
+    def _time_step(self, res: StepResult) -> None:
+        """A step that only decoded (after a step that did not idle) tells depth="auto" its wall time."""
+        now = time.perf_counter()
+        last, self._step_end = self._step_end, (None if res.idle or res.cycle is None else now)
+        if (last is not None and self._depths is not None and res.cycle is not None and not res.prefill_tokens
+                and res.recomposed is None):
+            self._depths.time(res.cycle.rows, res.cycle.depth, now - last)
 
     # -- admission ---------------------------------------------------------------
 
