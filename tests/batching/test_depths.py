@@ -29,12 +29,14 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def _feed(d: depths.BatchDepths, rng, acc: float, cycles: int, rows: int, k: int, totals) -> tuple[bool, tuple]:
-    """`cycles` engine cycles of `rows` streams at K = k with acceptance `acc`; True if any asked for a new K."""
+    """`cycles` engine cycles of `rows` streams with acceptance `acc`, from K = k and at each K the depths then
+    ask for (as the engine recomposes its batch); True if any asked for a new K."""
     reached, accepted = totals
     moved = False
     for _ in range(cycles):
         play(reached, accepted, rows, k, [acc] * k, rng)
-        moved |= d.observe(reached, accepted, rows, k)
+        if d.observe(reached, accepted, rows, k):
+            moved, k = True, d(rows)
     return moved, (reached, accepted)
 
 
@@ -113,6 +115,39 @@ def test_host_work_each_cycle_moves_k_where_it_pays_with_that_work(rng):
     for _ in range(12 * depths.CHECK_EVERY):
         play(reached, accepted, 8, 0, [], rng)
         assert not blind.observe(reached, accepted, 8, 0)
+
+
+def _served(d: depths.BatchDepths, costs: DepthCosts, acc: list[float], rng, cycles: int) -> tuple[float, list[int]]:
+    """Plays `cycles` cycles of `costs.batch` streams at the K the depths ask for: tokens per second of the
+    run (each cycle costing its calibrated time) and the K of every cycle."""
+    rows, reached, accepted = costs.batch, [0] * 5, [0] * 5
+    k, tokens, seconds, ks = d(rows), 0, 0.0, []
+    for _ in range(cycles):
+        before = sum(accepted)
+        play(reached, accepted, rows, k, acc, rng)
+        tokens += rows + sum(accepted) - before
+        seconds += autodepth.cycle_cost(costs, k)
+        ks.append(k)
+        if d.observe(reached, accepted, rows, k):
+            k = d(rows)
+    return tokens / seconds, ks
+
+
+def test_k_climbs_one_draft_past_what_it_has_seen(rng, monkeypatch):
+    # The head guesses its first draft far better than the calibration saw, its later drafts far worse: the
+    # estimate extrapolates the first draft's acceptance to the deeper ones, which the decoding never reached.
+    costs = DepthCosts(batch=8, cycle_s={"0": 0.064, "1": 0.099, "2": 0.136, "3": 0.172, "4": 0.189, "5": 0.226},
+                       acceptance=[0.8] * 5)
+    first, later = float(rng.uniform(0.93, 0.97)), float(rng.uniform(0.25, 0.4))
+    acc = [first] + [later] * 4
+    best = max(simulated_tokens_per_s(costs, acc, K, rng, cycles=20000) for K in range(6))
+    start = depths.pick_depth(costs, None, None)
+    served, ks = _served(depths.BatchDepths({8: start}, costs={8: costs}), costs, acc, rng, 60 * depths.CHECK_EVERY)
+    assert max(ks) <= 2 and served >= 0.93 * best, (served, best, sorted(set(ks)))
+    # Trusting the extrapolation (no climb limit) runs deep K on drafts it never saw, and serves less.
+    monkeypatch.setattr(autodepth.RunningAcceptance, "observed", lambda self: 10)
+    trusting, ks = _served(depths.BatchDepths({8: start}, costs={8: costs}), costs, acc, rng, 60 * depths.CHECK_EVERY)
+    assert max(ks) >= 4 and trusting < served, (trusting, served, sorted(set(ks)))
 
 
 @pytest.fixture

@@ -170,6 +170,17 @@ class RunningAcceptance:
         return out
 
 
+    def observed(self) -> int:
+        """How many leading draft positions the decoding itself has reached at least `weight` times lately:
+        beyond them the estimate is the prior extrapolated, not something seen."""
+        n = 0
+        for r in self.reached:
+            if r < self.weight:
+                break
+            n += 1
+        return n
+
+
 def calibration_prompts(runtime: Any, batch: int, length: int = 16) -> list[list[int]]:
     """The same prompts every run: code openings through the model's tokenizer, else fixed random tokens.
 
