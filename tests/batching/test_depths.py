@@ -146,8 +146,50 @@ def test_k_climbs_one_draft_past_what_it_has_seen(rng, monkeypatch):
     assert max(ks) <= 2 and served >= 0.93 * best, (served, best, sorted(set(ks)))
     # Trusting the extrapolation (no climb limit) runs deep K on drafts it never saw, and serves less.
     monkeypatch.setattr(autodepth.RunningAcceptance, "observed", lambda self: 10)
+    monkeypatch.setattr(depths.BatchDepths, "deepest_run", lambda self, b: 10)
     trusting, ks = _served(depths.BatchDepths({8: start}, costs={8: costs}), costs, acc, rng, 60 * depths.CHECK_EVERY)
     assert max(ks) >= 4 and trusting < served, (trusting, served, sorted(set(ks)))
+
+
+def test_k_climbs_by_timed_steps_where_the_calibration_is_short_of_the_served_cost(rng, monkeypatch):
+    # A phase of one stream at K = 5 sees text accepted better than the calibration did, at every draft
+    # position; then 8 streams, where the engine's steps at K >= 3 take longer than calibrated (a
+    # compute-bound batch). K climbs one step at a time on timed steps and settles where the served costs put
+    # the best; trusting the calibration's costs it jumps deep and stays.
+    calibrated = {"0": 0.064, "1": 0.099, "2": 0.136, "3": 0.172, "4": 0.189, "5": 0.226}
+    slower = float(rng.uniform(1.25, 1.4))  # served / calibrated for K >= 3
+    served = {k: t * (slower if int(k) >= 3 else 1.0) for k, t in calibrated.items()}
+    a = float(rng.uniform(0.88, 0.92))
+    prior = [0.8, 0.77, 0.89, 0.75, 0.82]
+    costs = {1: DepthCosts(batch=1, cycle_s={str(k): 0.05 + 0.003 * k for k in range(6)}, acceptance=prior),
+             8: DepthCosts(batch=8, cycle_s=calibrated, acceptance=prior)}
+    truth = DepthCosts(batch=8, cycle_s=served, acceptance=[a] * 5)
+    played = {K: simulated_tokens_per_s(truth, [a] * 5, K, rng, cycles=20000) for K in range(6)}
+
+    def run() -> tuple[int, int]:
+        d = depths.BatchDepths({b: depths.pick_depth(c, None, None) for b, c in costs.items()}, costs=costs)
+        reached, accepted = [0] * 5, [0] * 5
+        k = d(1)
+        for _ in range(8 * depths.CHECK_EVERY):  # one stream
+            play(reached, accepted, 1, k, [a] * k, rng)
+            if d.observe(reached, accepted, 1, k):
+                k = d(1)
+        d.recent.clear()
+        k, deepest = d(8), 0
+        for _ in range(30 * depths.CHECK_EVERY):  # eight streams
+            play(reached, accepted, 8, k, [a] * k, rng)
+            d.time(8, k, served[str(k)])
+            if d.observe(reached, accepted, 8, k):
+                k = d(8)
+            deepest = max(deepest, k)
+        return k, deepest
+
+    k, deepest = run()
+    assert played[k] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (k, deepest, played)
+    # Without the climb limit of timed steps (only the positions seen): K = 4 or deeper, and it stays.
+    monkeypatch.setattr(depths.BatchDepths, "deepest_run", lambda self, b: 10)
+    k_trusting, _ = run()
+    assert k_trusting >= 4 and played[k_trusting] < played[k], (k_trusting, k, played)
 
 
 @pytest.fixture

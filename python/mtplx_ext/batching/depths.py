@@ -92,6 +92,8 @@ class BatchDepths:
         self._cycles = 0
         #: Per calibrated size, the running estimate of each cycle's host work beyond its measured cost.
         self.overhead_s: dict[int, float] = {}
+        #: Per (calibrated size, K), the running wall time of a step that only decoded at that K.
+        self.step_s: dict[tuple[int, int], float] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -122,12 +124,13 @@ class BatchDepths:
         if self._cycles % CHECK_EVERY:
             return False
         est = self.running.estimate()
-        # K climbs one draft past what the decoding has seen: deeper drafts' acceptance is extrapolated from
-        # the shallow ones, and a jump on it (to K = 4 from K = 1 at 8 streams on the grown model, 0.74x plain)
-        # would then need the hysteresis' gain to come back.
-        cap = self.running.observed() + 1
-        self.depths = {b: pick_depth(self.costs[b], est, self.depths.get(b), self.overhead_s.get(b, 0.0), cap)
-                       for b in self.costs}
+        # K climbs one draft past what the decoding has seen and one past the deepest K the size has run:
+        # deeper drafts' acceptance is extrapolated from the shallow ones, and a deeper K's cost is the
+        # calibration's until its steps are timed (`served_costs`); a jump on either (K = 1 to 4 at 8 streams on
+        # the grown model, 0.74x plain) would need the hysteresis' gain to come back.
+        seen = self.running.observed() + 1
+        self.depths = {b: pick_depth(self.served_costs(b), est, self.depths.get(b), 0.0,
+                                     min(seen, self.deepest_run(b) + 1)) for b in self.costs}
         return depth_for(self.depths, max(self.recent, default=rows)) != k
 
     def time(self, rows: int, k: int, seconds: float) -> None:
@@ -148,6 +151,21 @@ class BatchDepths:
         sample = max(float(seconds) - cycle_cost(self.costs[b], k), 0.0)
         old = self.overhead_s.get(b)
         self.overhead_s[b] = sample if old is None else old + (sample - old) / OVERHEAD_CYCLES
+        old = self.step_s.get((b, k))
+        self.step_s[(b, k)] = float(seconds) if old is None else old + (float(seconds) - old) / OVERHEAD_CYCLES
+
+    def deepest_run(self, b: int) -> int:
+        """The deepest K whose steps size `b` has timed (its current K where none is)."""
+        return max([k for (size, k) in self.step_s if size == b] + [self.depths.get(b, 0)])
+
+    def served_costs(self, b: int) -> DepthCosts:
+        """Size `b`'s cycle costs as served: a K's running step time where the engine has run it, else its
+        calibrated cost plus the running host work (`time`). The calibration of a deep K on a compute-bound
+        batch can be short of what the engine's steps take (the grown model at 8 streams: K = 4 calibrated
+        189 ms, served 222 ms), and a K picked on it would keep running."""
+        c, h = self.costs[b], self.overhead_s.get(b, 0.0)
+        served = {k: self.step_s.get((b, int(k)), t + h) for k, t in c.cycle_s.items()}
+        return DepthCosts(batch=c.batch, cycle_s=served, acceptance=c.acceptance)
 
 
 def auto_costs_by_size(runtime: Any, max_batch: int) -> dict[int, DepthCosts] | None:
