@@ -176,7 +176,7 @@ def test_sampled_rows_survive_changes_of_k(shipped, rng, monkeypatch):
 
 def test_the_depth_follows_the_largest_recent_batch_size(rng):
     """Under steady load K stays the full batch's; once the batch stays small the deeper K takes over."""
-    from mtplx_ext.batching.depths import RECENT_BATCHES, BatchDepths
+    from mtplx_ext.batching.depths import RECENT_BATCHES, RECENT_CYCLES, BatchDepths
 
     want = {1: 5, 2: 4, 4: 3, 8: 2}
     d = BatchDepths(want)
@@ -186,6 +186,13 @@ def test_the_depth_follows_the_largest_recent_batch_size(rng):
         assert d(n) == want[min(b for b in want if b >= top)]
     assert [d(1) for _ in range(RECENT_BATCHES)][-1] == 5  # a run of one-row batches: K = 5 again
     assert d(12) == 2  # beyond the largest calibrated size: its K
+    # A full batch, then one stream decoding on: its deep K once the full batch is RECENT_CYCLES cycles back,
+    # not only after RECENT_BATCHES more batches.
+    assert d(8) == 2 and d(1) == 2
+    for cycle in range(RECENT_CYCLES + 1):
+        d.observe([0] * 5, [0] * 5, 1, d.expected(1))
+        assert d.expected(1) == (2 if cycle < RECENT_CYCLES else 5), cycle
+    assert d(1) == 5
 
 
 def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decoding_sees(rng):

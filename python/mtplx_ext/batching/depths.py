@@ -31,8 +31,11 @@ from mtplx_ext.batching.admission import decode_mode
 from mtplx_ext.decode.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, cycle_cost, tokens_per_s
 from mtplx_ext.decode.generate import auto_costs
 
-#: depth="auto" runs the K of the largest of this many recent batch sizes.
+#: depth="auto" runs the K of the largest of this many recent batch sizes,
 RECENT_BATCHES = 8
+#: recorded in the last this many cycles (a load that fell from many streams to one gets its deep K within
+#: a request, not after eight of them).
+RECENT_CYCLES = 32
 #: Cycles between two re-picks of K from the running acceptance.
 CHECK_EVERY = 16
 #: A re-picked K replaces the current one only when predicted this much faster (no flapping on noise).
@@ -66,11 +69,12 @@ def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: i
 class BatchDepths:
     """depth="auto" per batch size: `depths(rows)` is the K for a batch of `rows` rows.
 
-    The K of the largest of the last `recent` batch sizes (`depth_for`):
-    under steady load streams come and go every few cycles, and a K that
-    followed each recomposition would flap between a small batch's deep K
-    and a full batch's shallow one, each change costing the drafts cut or
-    padded. Once the load stays low the deeper K takes over.
+    The K of the largest of the last `recent` batch sizes recorded in the
+    last `RECENT_CYCLES` cycles (`depth_for`): under steady load streams come
+    and go every few cycles, and a K that followed each recomposition would
+    flap between a small batch's deep K and a full batch's shallow one, each
+    change costing the drafts cut or padded. Once the load stays low the
+    deeper K takes over.
 
     Args:
         depths: {batch size: K} to start from.
@@ -82,7 +86,8 @@ class BatchDepths:
     def __init__(self, depths: dict[int, int], recent: int = RECENT_BATCHES,
                  costs: dict[int, DepthCosts] | None = None):
         self.depths = dict(depths)
-        self.recent: deque[int] = deque(maxlen=recent)
+        self.recent: deque[tuple[int, int]] = deque(maxlen=recent)  # (cycle it was recorded at, rows)
+        self._ticks = 0  # cycles observed
         self.costs = costs
         # The prior: the calibrations' acceptance per draft position, averaged over the sizes that saw it.
         lengths = {len(c.acceptance) for c in (costs or {}).values()}
@@ -99,15 +104,21 @@ class BatchDepths:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
         self.running = None
 
+    def _sizes(self) -> list[int]:
+        """The window's sizes: the last `recent` batches, those of the last `RECENT_CYCLES` cycles only."""
+        while self.recent and self._ticks - self.recent[0][0] > RECENT_CYCLES:
+            self.recent.popleft()
+        return [rows for _, rows in self.recent]
+
     def __call__(self, rows: int) -> int:
-        self.recent.append(rows)
-        return depth_for(self.depths, max(self.recent))
+        self.recent.append((self._ticks, rows))
+        return depth_for(self.depths, max(self._sizes()))
 
     def expected(self, rows: int) -> int:
         """The K a batch of `rows` rows would run now (as `__call__`, without recording the size): what a
         prefill drafts, so that a row bound for a K = 0 batch skips the head's drafting (it still runs the head
         over its prompt); a row that then lands in a deeper batch pads its drafts for one cycle."""
-        return depth_for(self.depths, max([rows, *self.recent]))
+        return depth_for(self.depths, max([rows, *self._sizes()]))
 
     def observe(self, reached: Sequence[int], accepted: Sequence[int], rows: int, k: int) -> bool:
         """Takes the engine's running draft totals after a cycle of `rows` rows at K = `k`.
@@ -115,6 +126,7 @@ class BatchDepths:
         Returns:
             True when the running batch should change K now (the engine recomposes it).
         """
+        self._ticks += 1
         if self.running is None:
             return False
         # A cycle at K = 0 drafts nothing to learn from, but its host work (`time`) may still move K off 0.
@@ -131,7 +143,7 @@ class BatchDepths:
         seen = self.running.observed() + 1
         self.depths = {b: pick_depth(self.served_costs(b), est, self.depths.get(b), 0.0,
                                      min(seen, self.deepest_run(b) + 1)) for b in self.costs}
-        return depth_for(self.depths, max(self.recent, default=rows)) != k
+        return depth_for(self.depths, max(self._sizes(), default=rows)) != k
 
     def time(self, rows: int, k: int, seconds: float) -> None:
         """Takes the wall time of one engine step that only decoded (a cycle of `rows` rows at K = `k`).
@@ -228,5 +240,5 @@ def _given_depths(runtime: Any, mtp: bool, depth: dict, max_batch: int, per_batc
     return mtp, max(given.values()), route, BatchDepths(given)
 
 
-__all__ = ["CHECK_EVERY", "HYSTERESIS", "RECENT_BATCHES", "BatchDepths", "auto_costs_by_size", "depth_for", "pick_depth",
+__all__ = ["CHECK_EVERY", "HYSTERESIS", "RECENT_BATCHES", "RECENT_CYCLES", "BatchDepths", "auto_costs_by_size", "depth_for", "pick_depth",
            "engine_depths"]
