@@ -26,7 +26,7 @@ from mtplx_ext.shipped import SHIPPED_MODEL
 
 from _live_server import metrics, spawn, start, stop, wait_ready
 
-GRACE = 1.0
+GRACE = 0.5  # seconds: far more than the short request in flight at the signal needs to finish
 LONG = 3000  # tokens: far more than the grace period decodes
 
 
