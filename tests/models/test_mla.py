@@ -76,3 +76,18 @@ def test_the_patch_is_undone_and_does_not_stack():
             assert not inner.active
     assert DeepseekV3Attention.__call__ is original
 
+
+
+def test_decode_sessions_route_deepseek_trunks_only():
+    from mlx_lm.models.deepseek_v3 import DeepseekV3Attention
+
+    from mtplx_ext.decode.session import one_mla_formula
+
+    original = DeepseekV3Attention.__call__
+    deepseek = mtplx_ext.init_random("deepseek_v3", seed=_seed.fresh(), head_layout="deepseek")
+    qwen = mtplx_ext.init_random("qwen3", seed=_seed.fresh())
+    with one_mla_formula(deepseek):
+        assert DeepseekV3Attention.__call__ is not original
+    with one_mla_formula(qwen):
+        assert DeepseekV3Attention.__call__ is original
+    assert DeepseekV3Attention.__call__ is original

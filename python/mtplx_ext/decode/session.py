@@ -12,7 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from mtplx_ext.models.mla import patch_mla_one_formula
+from mtplx_ext.models.mla import MLA_FAMILIES, patch_mla_one_formula
 from mtplx_ext.models.mlx_lm_patches import patch_mlx_lm_ops
 from mtplx_ext.ops import gated_delta
 
@@ -21,6 +21,13 @@ def fused_attention(runtime: Any) -> Any:
     """mlx-lm's attention and SwiGLU through the fused ops, for runtimes that opted into fused CPU ops."""
     if getattr(runtime, "cpu_ops_fused", False):
         return patch_mlx_lm_ops()
+    return contextlib.nullcontext()
+
+
+def one_mla_formula(runtime: Any) -> Any:
+    """DeepSeek-V3 trunks' attention in one formula for plain steps and verifications (`models.mla`)."""
+    if getattr(runtime, "model_type", None) in MLA_FAMILIES:
+        return patch_mla_one_formula()
     return contextlib.nullcontext()
 
 
@@ -67,12 +74,13 @@ def decode_session(runtime: Any, route: bool, kv: tuple[int, int] | None = None)
     from mlx_lm.generate import wired_limit  # noqa: PLC0415  (mlx_lm.generate imports much)
 
     with wired_limit(runtime), fused_attention(runtime), route_recurrent(route), kv_setting(runtime, kv), \
-            patch_mla_one_formula():
+            one_mla_formula(runtime):
         yield
 
 
 __all__ = [
     "decode_session",
+    "one_mla_formula",
     "fused_attention",
     "gated_delta_trunk",
     "has_recurrent_layers",

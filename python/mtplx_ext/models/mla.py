@@ -28,6 +28,8 @@ from mtplx_ext.models.mlx_lm_patches import MlxLmPatch
 ABSORBED_MAX_L = MAX_DRAFTS + 1
 
 _MODULE, _CLASS = "mlx_lm.models.deepseek_v3", "DeepseekV3Attention"
+#: Trunk families (`MTPRuntime.model_type`) whose attention this routes.
+MLA_FAMILIES = frozenset({"deepseek_v3"})
 
 
 def _absorbed(attn: Any, x: mx.array, mask: mx.array | None, cache: Any, sdpa: Any) -> mx.array:
@@ -75,4 +77,4 @@ def patch_mla_one_formula() -> MlxLmPatch:
     return MlxLmPatch([("__call__", original, one_formula, [cls])])
 
 
-__all__ = ["ABSORBED_MAX_L", "patch_mla_one_formula"]
+__all__ = ["ABSORBED_MAX_L", "MLA_FAMILIES", "patch_mla_one_formula"]
