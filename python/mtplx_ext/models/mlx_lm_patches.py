@@ -47,12 +47,9 @@ class MlxLmPatch:
     def undo(self) -> None:
         """Restores mlx-lm's own helpers where this patch put a router,
         including in model modules imported while it was active."""
+        models = _mlx_lm_model_modules() if self._routes else []
         for func, original, router, mods in self._routes:
-            targets = list(mods)
-            for name, mod in list(sys.modules.items()):
-                if name.startswith("mlx_lm.models.") and mod is not None and mod not in targets:
-                    targets.append(mod)
-            for mod in targets:
+            for mod in [*mods, *models]:
                 if getattr(mod, func, None) is router:
                     setattr(mod, func, original)
         self._routes = []
@@ -66,6 +63,11 @@ class MlxLmPatch:
 
 #: The handle type of `patch_mlx_lm_attention` (kept under its first name).
 AttentionPatch = MlxLmPatch
+
+
+def _mlx_lm_model_modules() -> list[ModuleType]:
+    """The `mlx_lm.models.*` modules imported so far (one pass over `sys.modules`)."""
+    return [mod for name, mod in list(sys.modules.items()) if mod is not None and name.startswith("mlx_lm.models.")]
 
 
 def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) -> tuple:
@@ -83,10 +85,8 @@ def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) 
     router = make_router(original)
     router.mtplx_router = True  # type: ignore[attr-defined]
     modules = []
-    for name, mod in list(sys.modules.items()):
-        if mod is None or not (name == base_name or name.startswith("mlx_lm.models.")):
-            continue
-        if getattr(mod, func, None) is original:
+    for mod in [base, *_mlx_lm_model_modules()]:
+        if mod not in modules and getattr(mod, func, None) is original:
             setattr(mod, func, router)
             modules.append(mod)
     return (func, original, router, modules)
