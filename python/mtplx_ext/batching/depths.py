@@ -9,11 +9,15 @@ size where drafting does not pay runs K = 0: one token per cycle, the head
 idle (`Cycle.zero_draft_step`). Rows move between batches of any K exactly:
 a row keeps its uncommitted x0 whatever its batch's K.
 
-The acceptance of the text actually served decides too: the engine feeds
-its running totals to `BatchDepths.observe`, which re-picks every size's K
+The acceptance of the text actually served, and what its steps take,
+decide too: the engine feeds the wall time of each step that only decoded
+to `BatchDepths.time` (a K's served cost replaces its calibration) and its
+running draft totals to `BatchDepths.observe`, which re-picks every size's K
 against the running estimate (`autodepth.RunningAcceptance`) every
 `CHECK_EVERY` cycles, moving only when the new K is predicted at least
-`HYSTERESIS` faster than the old one. The engine then recomposes its batch
+`HYSTERESIS` faster than the old one and at most one K past both the
+deepest it has timed at that size and the draft positions decoding has
+reached (beyond them cost and acceptance are guesses). The engine then recomposes its batch
 at the new K (rows keep or pad their drafts: `batch.fit_drafts`).
 Greedy tokens never depend on K, and sampled decoding is exact at every K.
 """
@@ -151,8 +155,9 @@ class BatchDepths:
         What it took beyond the calibrated cycle is host work the calibration
         does not see (streaming each cycle's tokens to clients, detokenizing,
         the server's threads): it costs every K the same per cycle, so it
-        favours deeper K, which commit more tokens a cycle. The estimate per
-        calibrated size is an average over the last `OVERHEAD_CYCLES` steps or so.
+        favours deeper K, which commit more tokens a cycle. The step time itself
+        replaces the calibration for the K it ran (`served_costs`). Both are
+        averages over the last `OVERHEAD_CYCLES` steps or so, per calibrated size.
         """
         if self.costs is None or self.running is None:
             return
