@@ -16,6 +16,7 @@ is taken during a test: the kernel counts a test takes stay its own.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -63,9 +64,7 @@ def take_siblings_kernels(own_tmp: str, prefix: str) -> int:
                     part = mine / f".{name}.{os.getpid()}.part"
                     try:
                         os.link(entry.path, part)
-                    except OSError:
-                        import shutil
-
+                    except OSError:  # another filesystem: a copy
                         shutil.copyfile(entry.path, part)
                     os.replace(part, target)
                     taken += 1

@@ -55,18 +55,14 @@ def depth_for(depths: dict[int, int], rows: int) -> int:
 
 
 def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None,
-               overhead_s: float = 0.0, cap: int | None = None) -> int:
-    """A batch size's K >= 0 for `acceptance` (None: the calibration's) and `overhead_s` of host work a
-    cycle, at most `cap` (or `current`, if deeper), moving from `current` only for a predicted gain of at
-    least `HYSTERESIS`."""
-    if cap is None:
-        best = choose_depth(costs, acceptance, overhead_s)
-    else:
-        allowed = [k for k in costs.depths() if k <= cap or k == current]
-        best = max(allowed, key=lambda k: (tokens_per_s(costs, k, acceptance, overhead_s), -k))
+               cap: int | None = None) -> int:
+    """A batch size's K >= 0 for `acceptance` (None: the calibration's), at most `cap` (or `current`, if
+    deeper), moving from `current` only for a predicted gain of at least `HYSTERESIS`."""
+    among = None if cap is None else [k for k in costs.depths() if k <= cap or k == current]
+    best = choose_depth(costs, acceptance, among)
     if current is None or current == best or str(current) not in costs.cycle_s:
         return best
-    gain = tokens_per_s(costs, best, acceptance, overhead_s) / tokens_per_s(costs, current, acceptance, overhead_s)
+    gain = tokens_per_s(costs, best, acceptance) / tokens_per_s(costs, current, acceptance)
     return best if gain >= 1 + HYSTERESIS else current
 
 
@@ -145,8 +141,8 @@ class BatchDepths:
         # calibration's until its steps are timed (`served_costs`); a jump on either (K = 1 to 4 at 8 streams on
         # the grown model, 0.74x plain) would need the hysteresis' gain to come back.
         seen = self.running.observed() + 1
-        self.depths = {b: pick_depth(self.served_costs(b), est, self.depths.get(b), 0.0,
-                                     min(seen, self.deepest_run(b) + 1)) for b in self.costs}
+        self.depths = {b: pick_depth(self.served_costs(b), est, self.depths.get(b), min(seen, self.deepest_run(b) + 1))
+                       for b in self.costs}
         return depth_for(self.depths, max(self._sizes(), default=rows)) != k
 
     def time(self, rows: int, k: int, seconds: float) -> None:

@@ -94,18 +94,18 @@ def cycle_cost(costs: DepthCosts, depth: int) -> float:
     return max(t for k, t in costs.cycle_s.items() if int(k) <= depth)
 
 
-def tokens_per_s(costs: DepthCosts, depth: int, acceptance: Sequence[float] | None = None,
-                 overhead_s: float = 0.0) -> float:
-    """Predicted tokens per second of all streams at `depth`, each cycle costing `overhead_s` more than
-    measured (host work the calibration does not see, e.g. a server streaming each cycle's tokens out)."""
+def tokens_per_s(costs: DepthCosts, depth: int, acceptance: Sequence[float] | None = None) -> float:
+    """Predicted tokens per second of all streams at `depth`."""
     acc = costs.acceptance if acceptance is None else acceptance
     per_cycle = 1.0 if depth == 0 else expected_tokens(acc, depth)
-    return costs.batch * per_cycle / (cycle_cost(costs, depth) + max(overhead_s, 0.0))
+    return costs.batch * per_cycle / cycle_cost(costs, depth)
 
 
-def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None, overhead_s: float = 0.0) -> int:
-    """The depth (0 = plain decoding) with the most predicted tokens per second."""
-    return max(costs.depths(), key=lambda k: (tokens_per_s(costs, k, acceptance, overhead_s), -k))
+def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None,
+                 among: Sequence[int] | None = None) -> int:
+    """The depth (0 = plain decoding) with the most predicted tokens per second, of `among` (default: every
+    depth `costs` has)."""
+    return max(costs.depths() if among is None else among, key=lambda k: (tokens_per_s(costs, k, acceptance), -k))
 
 
 #: Pseudo-observations of the calibration's acceptance at each draft position: the running estimate's prior.
