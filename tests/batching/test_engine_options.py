@@ -12,7 +12,8 @@ from mtplx_ext.batching import Engine, EngineOptions
 #: The settings `Engine.__init__` took as keywords, with the defaults it documented.
 DOCUMENTED = dict(max_batch=8, depth="auto", use_mtp=True, max_kv_slots=None, prefill_chunk=256, context=None,
                   prefix_cache_bytes=0, prefix_cache_dir=None, prefix_cache_disk_bytes=4 << 30,
-                  prefix_block_tokens=32, kv_bits=None, kv_group_size=64, launch_ahead=True, compact_rows=True)
+                  prefix_block_tokens=32, kv_bits=None, kv_group_size=64, launch_ahead=True, compact_rows=True,
+                  detokenize=True)
 
 
 def _resolved(eng: Engine) -> dict:
@@ -50,3 +51,17 @@ def test_wrong_settings_raise_naming_them(shipped):
         Engine(shipped, depth=2, prefill_chunk=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineOptions().max_batch = 2  # type: ignore[misc]
+
+
+def test_an_engine_without_detokenizing_commits_the_same_tokens_and_no_text(shipped, rng):
+    prompt = [int(t) for t in rng.integers(0, shipped.vocab_size, size=8)]
+    runs = {}
+    for text in (True, False):
+        eng = Engine(shipped, depth=2, detokenize=text)
+        req = eng.submit(prompt, max_tokens=12)
+        eng.run_until_idle()
+        runs[text] = req
+    assert runs[True].tokens == runs[False].tokens and len(runs[False].tokens) == 12
+    assert runs[True].text == shipped.tokenizer.decode(runs[True].tokens) and runs[False].text == ""
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        Engine(shipped, depth=2, detokenize=False).submit(prompt, max_tokens=4, stop=["x"])

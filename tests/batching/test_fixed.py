@@ -105,3 +105,37 @@ def test_compaction_off_keeps_every_row_and_changes_no_token(rng):
     assert [s.tokens for s in runs[True].streams] == [s.tokens for s in runs[False].streams]
     assert runs[True].compactions > 0 and runs[False].compactions == 0
     assert runs[False].row_cycles == 6 * runs[False].cycles
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_second_fixed_batch_of_the_same_shapes_replays_the_first_ones_traced_steps(rng, monkeypatch, sampled):
+    # A fixed batch hands its engine's traced steps back to the runtime (`Engine.release`): the next one of the
+    # same shapes (every batch it compacts to included) runs no forward in Python but its prefill.
+    rt = _runtime("qwen3", rng)
+    prompts = _prompts(rng, rt.vocab_size, 4)
+    args = dict(max_new_tokens=int(rng.integers(6, 12)), depth=2, row_seeds=[int(s) for s in rng.integers(0, 2**62, 4)],
+                sampler=SamplerConfig(temperature=1.1) if sampled else None)
+    first = mtplx_ext.generate_batched(rt, prompts, **args)
+    calls: list[tuple[int, ...]] = []
+    real = rt.forward
+
+    def counting(tokens, *a, **k):
+        calls.append(tuple(tokens.shape))
+        return real(tokens, *a, **k)
+
+    monkeypatch.setattr(rt, "forward", counting)
+    second = mtplx_ext.generate_batched(rt, prompts, **args)
+    assert [s.tokens for s in second.streams] == [s.tokens for s in first.streams]
+    assert calls == [(len(prompts), max(len(p) for p in prompts))], f"forwards built in Python: {calls}"
+
+
+def test_an_engine_releases_its_steps_only_when_idle(rng):
+    rt = _runtime("qwen3", rng)
+    eng = Engine(rt, max_batch=2, depth=2)
+    eng.submit(_prompts(rng, rt.vocab_size, 1)[0], max_tokens=4)
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.release()
+    eng.run_until_idle()
+    eng.release()
+    eng.submit(_prompts(rng, rt.vocab_size, 1)[0], max_tokens=4)  # a released engine builds its batches again
+    eng.run_until_idle()

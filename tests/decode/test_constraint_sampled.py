@@ -37,6 +37,7 @@ import llguidance.numpy  # noqa: E402
 
 import mtplx_ext  # noqa: E402
 from mtplx_ext import SamplerConfig  # noqa: E402
+from mtplx_ext.decode.cycle import forget_kept_steps  # noqa: E402
 from mtplx_ext.decode.constraint import GrammarConstraint, apply_bitmask, mask_words  # noqa: E402
 from mtplx_ext.sampling import distribution_from_logits  # noqa: E402
 from _stats import ALPHA_BROKEN, ALPHA_EXACT, g_test_pvalue  # noqa: E402
@@ -269,14 +270,15 @@ def test_the_test_rejects_masking_only_the_draft_masking_q_as_well_or_a_forced_d
     def heads_q(tokens, info, new_tokens, forced):  # forced drafts put in, their q left as the head's
         return mx.array(new_tokens.astype(np.int32)), info
 
-    # The host-side variant first: a verify variant is traced into compiled
-    # steps, and a decode that rebinds steps kept from an earlier decode of
-    # the same runtime would run the earlier variant again (checked below).
+    # A verify variant is traced into compiled steps, and a decode that rebinds
+    # steps kept from an earlier decode of the same runtime would run the
+    # earlier rule again: each variant's decode forgets them first (checked below).
     variants = [("forced with the head's q", constrained, "forced_drafts", heads_q),
                 ("only the draft", policies.SampledPolicy, "verify", only_the_draft),
                 ("q masked too", policies.SampledPolicy, "verify", q_masked_too)]
     runs = []
     for name, obj, attr, variant in variants:
+        forget_kept_steps(rt)  # (a fixed batch keeps its traced steps for the next one of its shapes)
         with monkeypatch.context() as m:
             m.setattr(obj, attr, variant)
             idx, _ = decode(rt, first, prompt, seeds, depth, stop=())

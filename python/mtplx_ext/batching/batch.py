@@ -189,6 +189,13 @@ class Batch:
             self.cycle.compile_steps()
             self.compiled = True
 
+    def release(self) -> None:
+        """Gives its compiled steps back to the runtime (`Cycle.release`): a later batch of the same shape, in
+        this engine or another, replays them instead of tracing again. The batch must be unloaded."""
+        if self.compiled:
+            self.cycle.release()
+            self.compiled = False
+
     def unload(self, nxt: mx.array | None, info: mx.array | None) -> Rows:
         """The device rows (with the next cycle's tokens and draft logits); drops this batch's references."""
         cache = RowState.take(self.caches())

@@ -79,7 +79,8 @@ class Engine(PrefillPhase):
         self.prefix = PrefixCache.for_runtime(runtime, o.prefix_cache_bytes, o.prefix_cache_dir,
                                               o.prefix_cache_disk_bytes, o.prefix_block_tokens)
         self._prefix_ok = self.prefix.max_bytes > 0 and PrefixCache.supported(runtime)
-        self.tokenizer = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
+        tok = tokenizer if tokenizer is not None else getattr(runtime, "tokenizer", None)
+        self.tokenizer = tok if o.detokenize else None
         self.vocab = int(runtime.vocab_size)
         self.rules = RequestRules(self.vocab, self.depth, self.mtp, self.context, self.max_kv_slots,
                                   self.tokenizer)
@@ -160,6 +161,21 @@ class Engine(PrefillPhase):
         self._thread.stop(timeout, reason)
         self._thread = None
         self.prefix.flush()
+
+    def release(self) -> None:
+        """Gives the compiled steps of its batches back to the runtime (`Batch.release`), so that a later
+        engine or decode of the same shapes replays them (a fixed batch ends this way); a later step builds
+        its batches again.
+
+        Raises:
+            RuntimeError: requests are still open or the engine thread runs.
+        """
+        busy = self._live or self._ready or self._waiting or not self._inbox.empty() or self._inflight is not None
+        if busy or self._thread is not None:
+            raise RuntimeError("release needs an idle engine whose thread is stopped")
+        for batch in self._batches.values():
+            batch.release()
+        self._batches.clear()
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:

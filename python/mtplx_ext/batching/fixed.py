@@ -133,13 +133,14 @@ def generate_batched(
     eng = Engine(runtime, EngineOptions(
         max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
         context=width + max_new_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size, launch_ahead=not serial,
-        compact_rows=bool(compact_rows)))
+        compact_rows=bool(compact_rows), detokenize=False))
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(eng.submit(p, max_tokens=max_new_tokens, sampler=samplers[i], stop_token_ids=stop_ids,
                                seed=seeds[i], constraint=constraints[i], on_event=_committer(on_commit, i)))
     eng.run_until_idle()
     t2 = time.perf_counter()
+    eng.release()  # its traced steps go back to the runtime: the next fixed batch of these shapes replays them
     for i, r in enumerate(reqs):
         if r.error is not None:
             raise RuntimeError(f"stream {i}: {r.error}")

@@ -30,6 +30,8 @@ class EngineOptions:
         launch_ahead: launch each cycle before reading the one before it (False: one cycle at a time, for
             side-by-side measurements; the tokens are the same). The engine's `launch_ahead` attribute starts
             from it.
+        detokenize: decode each request's text as it commits (`Request.text`, stop strings); False: tokens only
+            (stop strings are refused), for callers that read token ids alone (fixed batches).
         compact_rows: drop finished rows once at most half of the batch decodes (False: only when every row has
             finished; `scheduler.needs_rebuild`). The engine's `compact_rows` attribute starts from it.
     """
@@ -48,6 +50,7 @@ class EngineOptions:
     kv_group_size: int = 64
     launch_ahead: bool = True
     compact_rows: bool = True
+    detokenize: bool = True
 
     @classmethod
     def given(cls, options: EngineOptions | None, settings: Mapping[str, Any]) -> EngineOptions:

@@ -10,7 +10,7 @@ record reaches the handle only to deliver commits and the request's end.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mtplx_ext.batching.detok import Detokenizer
@@ -51,6 +51,7 @@ class RowRecord(SettingsView):
     step_off: int = 0
     x0_committed: bool = False
     lp_next: Any = None
+    _info: RowInfo | None = field(default=None, init=False, repr=False)  # `info()` while running: its fields never change
 
     @classmethod
     def new(cls, rid: int, prompt: list[int], settings: RowSettings, need: int,
@@ -92,11 +93,13 @@ class RowRecord(SettingsView):
         return self.req.done
 
     def info(self) -> RowInfo:
-        """What the scheduler reads of this request (`scheduler.RowInfo`)."""
-        s = self.sampler
-        kind = "penalties" if s.has_penalties else "greedy" if s.greedy else "sampled"
-        return RowInfo(self.id, self.need, kind, s.has_bias, self.logprobs is not None, self.constraint is not None,
-                       self.depth, self.finish_reason is not None)
+        """What the scheduler reads of this request (`scheduler.RowInfo`; built once, read every step)."""
+        if self._info is None:
+            s = self.sampler
+            kind = "penalties" if s.has_penalties else "greedy" if s.greedy else "sampled"
+            self._info = RowInfo(self.id, self.need, kind, s.has_bias, self.logprobs is not None,
+                                 self.constraint is not None, self.depth)
+        return self._info if self.finish_reason is None else replace(self._info, finished=True)
 
     # -- the request's end -------------------------------------------------------
 

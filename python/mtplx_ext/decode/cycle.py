@@ -78,6 +78,12 @@ def _kept_steps(runtime: Any) -> OrderedDict[tuple, tuple[Any, CompiledStep]]:
     return kept.steps
 
 
+def forget_kept_steps(runtime: Any) -> None:
+    """Drops the compiled steps kept for `runtime`: the next decode traces its steps again (for code that
+    changes what a step traces, e.g. a policy replaced in a test, which the kept graphs would not see)."""
+    _kept_steps(runtime).clear()
+
+
 @dataclass
 class Pending:
     """A launched verification (or plain) step whose bundle is not read yet."""
@@ -323,11 +329,17 @@ class Cycle:
         self._shared = next(iter(self.compiled.values()))
 
     def _signature(self) -> tuple:
-        """What decides a compiled step's graph besides its kind and input shapes."""
+        """What decides a compiled step's graph besides its kind, and the shapes it is first called with.
+
+        The shapes (rows and slots of the first layer's cache) make a kept step one that has already traced
+        them: decodes of two batch sizes keep one step each instead of taking turns re-tracing one.
+        """
         weights = tuple(id(a) for _, a in tree_flatten(self.rt.parameters()))
         policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "penalties", None))
         layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
-        return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP, self.logprobs)
+        shapes = tuple(tuple(a.shape) for a in self.caches()[0][0].state if isinstance(a, mx.array))
+        return (id(self.rt), weights, self.depth, self.per_stream, policy, layout, COMPILED_GROW_STEP, self.logprobs,
+                shapes)
 
     def _compile(self, kind: str, unit: Any) -> CompiledStep:
         # A released step of an earlier decode, taken out of the cache: it

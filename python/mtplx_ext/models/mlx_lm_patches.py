@@ -66,8 +66,18 @@ AttentionPatch = MlxLmPatch
 
 
 def _mlx_lm_model_modules() -> list[ModuleType]:
-    """The `mlx_lm.models.*` modules imported so far (one pass over `sys.modules`)."""
-    return [mod for name, mod in list(sys.modules.items()) if mod is not None and name.startswith("mlx_lm.models.")]
+    """The `mlx_lm.models.*` modules imported so far.
+
+    The import system binds each imported submodule as an attribute of its
+    package, so the package's namespace lists them: a pass over it, not over
+    `sys.modules` (thousands of entries in a process that imported
+    transformers; each decode session patches and undoes).
+    """
+    pkg = sys.modules.get("mlx_lm.models")
+    if pkg is None:
+        return []
+    return [m for m in list(vars(pkg).values())
+            if isinstance(m, ModuleType) and m.__name__.startswith("mlx_lm.models.")]
 
 
 def _route(where: tuple[str, str], make_router: Callable[[Callable], Callable]) -> tuple:
