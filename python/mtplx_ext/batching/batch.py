@@ -97,6 +97,8 @@ def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kin
                  for d, idx in parts]
 
     def cat(get: Callable[[Rows], mx.array]) -> mx.array:
+        if len(parts) == 1 and parts[0][1] is None:
+            return get(parts[0][0])
         return mx.concatenate([get(d) if idx is None else get(d)[idx] for d, idx in parts], axis=0)
 
     cache = RowState.gather([(d.cache, idx) for d, idx in parts], capacity)

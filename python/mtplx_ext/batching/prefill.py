@@ -76,7 +76,9 @@ def row_parts(reqs: Sequence[Any]) -> list[tuple[Rows, mx.array | None]]:
             parts[-1][1].append(r.row_index)
         else:
             parts.append((r.row, [r.row_index]))
-    return [(rows, None if idx is None else mx.array(idx, dtype=mx.int32)) for rows, idx in parts]
+    # A group's rows all, in order, are its rows whole (no gather).
+    return [(rows, None if idx is None or idx == list(range(rows.next.shape[0])) else mx.array(idx, dtype=mx.int32))
+            for rows, idx in parts]
 
 
 class PrefillPhase:

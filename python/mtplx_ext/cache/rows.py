@@ -94,8 +94,10 @@ class RowState:
         running batch start at slot 0. RoPE positions count from the row's first token (`RaggedPositions.offset`:
         ends minus left padding, whatever base offset a cache list adds to it), so moving the slots and the
         ends by the padding keeps every stored key as it is. Slots past a row's new end hold copies of its last
-        slot, never read (attention stops at the end).
+        slot, never read (attention stops at the end). Rows without padding are taken as they are (`take`).
         """
+        if not any(pads):
+            return cls.take(cache_lists)
         positions, kv, rec = split_layers(cache_lists)
         pad = mx.array(list(pads), dtype=mx.int32)
         shifted = []
@@ -142,9 +144,14 @@ class RowState:
 
     @staticmethod
     def gather(parts: Sequence[tuple["RowState", mx.array | None]], capacity: int) -> "RowState":
-        """One state of the chosen rows of several, in order: (state, row indices or None for all)."""
+        """One state of the chosen rows of several, in order: (state, row indices or None for all).
+
+        One whole state (a batch made of one prefill's rows) is taken as it is, without a copy.
+        """
 
         def cat(get: Callable[["RowState"], mx.array]) -> mx.array:
+            if len(parts) == 1 and parts[0][1] is None:
+                return get(parts[0][0])
             return mx.concatenate([get(s) if idx is None else get(s)[idx] for s, idx in parts], axis=0)
 
         first = parts[0][0]
