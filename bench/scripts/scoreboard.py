@@ -102,9 +102,15 @@ def _serve_load(d: dict) -> list[str]:
     best = {r["concurrency"]: r for r in d.get("vs_best", [])}
     return [f"c{r['concurrency']}: MTP {_fmt(r['tokens_per_s'])} / off {_fmt(plain[r['concurrency']]['tokens_per_s'])} tok/s "
             f"({r['tokens_per_s'] / plain[r['concurrency']]['tokens_per_s']:.2f}x), failed {r['failed']}"
-            + (f"; vs best of off and fixed depths {best[r['concurrency']]['ratio']:.2f}x"
-               if r["concurrency"] in best else "")
+            + (f"; vs best of off and fixed depths {_vs_best(best[r['concurrency']])}" if r["concurrency"] in best else "")
             for r in mtp if r["concurrency"] in plain]
+
+
+def _vs_best(b: dict) -> str:
+    """The default against the best other server: its ratio, and the rounds' bootstrap interval where recorded."""
+    if "low" not in b:
+        return f"{b['ratio']:.2f}x"
+    return f"{b['ratio']:.2f}x ({b['best']}; 95% interval {b['low']:.2f}-{b['high']:.2f}x)"
 
 
 def _depth_sweep(d: dict) -> list[str]:
