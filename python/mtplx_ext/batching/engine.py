@@ -342,8 +342,10 @@ class Engine(PrefillPhase):
         Then the acceptance seen so far may move K (`batching.depths`): the next step recomposes the batch.
         """
         try:
-            p = self._inflight if self._inflight is not None else self._launch()
-            self._inflight = None
+            p, self._inflight = self._inflight, None
+            if p is None:  # (the device starts on it while the host builds the next one)
+                p = self._launch()
+                mx.async_eval(p.bundle)
             # Unless this cycle may end every stream at its cap.
             if self.launch_ahead and self._guide is None and not self._streams.may_all_finish():
                 self._inflight = self._launch()
