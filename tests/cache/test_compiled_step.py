@@ -347,3 +347,20 @@ def test_kept_steps_go_with_their_runtime():
     del rt
     gc.collect()
     assert gone() is None, "a kept step keeps its runtime alive"
+
+
+@pytest.mark.parametrize("family,kw", [("qwen3", {}), ("qwen3_next", {}), ("deepseek_v3", {"head_layout": "deepseek"})])
+def test_weight_ids_are_the_ids_mlx_parameters_lists_and_follow_a_replaced_weight(family, kw):
+    from mlx.utils import tree_flatten, tree_unflatten
+    from _greedy import _runtime
+
+    from mtplx_ext.cache.compiled_step import weight_ids
+
+    rt = _runtime(family, _seed.rng(), **kw)
+    rt.scratch_list = [mx.zeros((2,)), {"w": mx.ones((3,)), "note": "text"}]  # nested containers
+    rt._private = mx.zeros((4,))  # not a parameter (leading underscore)
+    want = tuple(id(a) for _, a in tree_flatten(rt.parameters()))
+    assert weight_ids(rt) == want and len(want) > 10
+    name, old = tree_flatten(rt.parameters())[3]
+    rt.update(tree_unflatten([(name, old + 1)]), strict=False)
+    assert weight_ids(rt) != want and weight_ids(rt) == tuple(id(a) for _, a in tree_flatten(rt.parameters()))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache
 
 from mtplx_ext._checks import as_int
@@ -196,9 +197,37 @@ class CompiledStep:
         return tuple(res[:n]) if self._tuple_out else res[0]
 
 
+def weight_ids(module: Any) -> tuple[int, ...]:
+    """The ids of a module's parameter arrays, in `tree_flatten(module.parameters())` order.
+
+    A traced step holds the weights it was traced with, so a kept step may
+    serve a later decode only while the module holds the same arrays. This
+    walks the module's own dicts and lists with `Module.parameters`' rule
+    (keys starting with "_" left out) without building the nested dicts
+    `parameters()` returns, which took most of a decode's set-up time.
+    """
+    out: list[int] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, mx.array):
+            out.append(id(v))
+        elif isinstance(v, nn.Module):
+            for k, x in v.items():
+                if not k.startswith("_") and isinstance(x, (dict, list, mx.array)):
+                    walk(x)
+        elif isinstance(v, (dict, list)):
+            for x in (v.values() if isinstance(v, dict) else v):
+                if isinstance(x, (dict, list, mx.array)):
+                    walk(x)
+
+    # (An object standing for a module, e.g. a wrapper of a runtime, answers for its weights by `parameters()`.)
+    walk(module if isinstance(module, nn.Module) else module.parameters())
+    return tuple(out)
+
+
 def mlx_kernel_cache_dir() -> Path:
     """Where MLX's CPU backend keeps the fused kernels it builds with the C++ compiler."""
     return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu"
 
 
-__all__ = ["CompiledStep", "mlx_kernel_cache_dir"]
+__all__ = ["CompiledStep", "mlx_kernel_cache_dir", "weight_ids"]

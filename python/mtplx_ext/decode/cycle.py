@@ -38,11 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
 from mtplx_ext.cache import rollback
 from mtplx_ext.ops import gated_delta
-from mtplx_ext.cache.compiled_step import CompiledStep
+from mtplx_ext.cache.compiled_step import CompiledStep, weight_ids
 from mtplx_ext.decode import bundle as chain
 from mtplx_ext.decode.drafter import make_drafter, model_tokens
 from mtplx_ext.decode.logprobs import packed_logprobs
@@ -334,7 +333,7 @@ class Cycle:
         The shapes (rows and slots of the first layer's cache) make a kept step one that has already traced
         them: decodes of two batch sizes keep one step each instead of taking turns re-tracing one.
         """
-        weights = tuple(id(a) for _, a in tree_flatten(self.rt.parameters()))
+        weights = weight_ids(self.rt)
         policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "penalties", None))
         layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
         shapes = tuple(tuple(a.shape) for a in self.caches()[0][0].state if isinstance(a, mx.array))
