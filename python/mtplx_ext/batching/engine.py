@@ -243,14 +243,15 @@ class Engine(PrefillPhase):
 
     def take_inbox(self) -> list[RowRecord]:
         """The records of the requests submitted since the last look (without the stop marker)."""
-        items = []
-        while True:
+        items: list[RowRecord] = []
+        while not self._inbox.empty():  # (the common step: nothing new, no exception raised)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return items
             if item is not None:
                 items.append(item)
+        return items
 
     def admit(self, r: RowRecord) -> None:
         """Queues a submitted request for prefill (engine thread)."""
@@ -259,7 +260,7 @@ class Engine(PrefillPhase):
         self._log.admitted.append(r.id)
 
     def _drop_cancelled(self) -> None:
-        for q in (self._waiting, self._ready):
+        for q in (self._waiting, self._ready) if self._waiting or self._ready else ():
             for r in [r for r in q if r.cancelled]:
                 q.remove(r)
                 self._finish(r, "cancelled")
