@@ -6,8 +6,8 @@ depth="auto" picks for that batch here), decodes the bench prompts with
 cycle) and `mtplx_ext.decode.generate_reference` (the loop fixed batches ran
 before) back to back in each round, the order alternating; reports medians
 of end-to-end tokens/s (wall time of the call, prefill included) and of the
-per-round ratio engine / reference. Every round checks both give the same
-tokens (greedy).
+per-round ratio engine / reference, with a 95% bootstrap interval over the
+rounds. Every round checks both give the same tokens (greedy).
 
 Run: python bench/scripts/fixed_batches.py [--model shipped|FOLDER ...] [--batch 1,8] [--tokens 64]
      [--rounds 5] [--json bench/results/fixed_batches.json]
@@ -22,11 +22,20 @@ import json
 import statistics
 import time
 
+import numpy as np
+
 from mtplx_ext import benchmark
 from mtplx_ext.benchmark.provenance import provenance
 from mtplx_ext.decode import generate_greedy_reference
 from mtplx_ext.decode.generate import auto_depth
 from mtplx_ext.shipped import BENCH_PROMPTS, SHIPPED_MODEL
+
+
+def bootstrap_median(per: np.ndarray, resamples: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of the per-round ratios (seeded: replayable)."""
+    rng = np.random.default_rng(0)
+    boot = np.median(per[rng.integers(0, len(per), size=(resamples, len(per)))], axis=1)
+    return float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))
 
 
 def run(rt, prompts, tokens: int, mtp: bool, depth: int, engine: bool) -> tuple[float, list[list[int]]]:
@@ -46,8 +55,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    print("| model | batch | decoding | reference tok/s | engine tok/s | engine / reference | same tokens |")
-    print("|---|---:|---|---:|---:|---:|---:|")
+    print("| model | batch | decoding | reference tok/s | engine tok/s | engine / reference | 95% interval | same tokens |")
+    print("|---|---:|---|---:|---:|---:|---|---:|")
     for name in args.model:
         folder = SHIPPED_MODEL if name == "shipped" else name
         rt = mtplx_ext.load(folder)
@@ -66,13 +75,16 @@ def main() -> None:
                         if r:
                             tps[engine].append(t)
                     same &= outs[True] == outs[False]
-                ratio = statistics.median(e / f for e, f in zip(tps[True], tps[False]))
+                per = np.array(tps[True]) / np.array(tps[False])
+                low, high = bootstrap_median(per)
                 row = {"model": name, "batch": batch, "mtp": mtp, "depth": k if mtp else 0,
                        "reference_tps": statistics.median(tps[False]), "engine_tps": statistics.median(tps[True]),
-                       "ratio": ratio, "same_tokens": same}
+                       "ratio": float(np.median(per)), "low": low, "high": high, "rounds": per.tolist(),
+                       "same_tokens": same}
                 rows.append(row)
                 print(f"| {name} | {batch} | {'MTP K=' + str(k) if mtp else 'plain'} | {row['reference_tps']:.1f} | "
-                      f"{row['engine_tps']:.1f} | {ratio:.2f} | {'yes' if same else 'NO'} |", flush=True)
+                      f"{row['engine_tps']:.1f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} | {'yes' if same else 'NO'} |",
+                      flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "tokens": args.tokens, "rounds": args.rounds, "versions": benchmark.versions(),
