@@ -159,7 +159,9 @@ def test_k_climbs_by_timed_steps_where_the_calibration_is_short_of_the_served_co
     calibrated = {"0": 0.064, "1": 0.099, "2": 0.136, "3": 0.172, "4": 0.189, "5": 0.226}
     slower = float(rng.uniform(1.25, 1.4))  # served / calibrated for K >= 3
     served = {k: t * (slower if int(k) >= 3 else 1.0) for k, t in calibrated.items()}
-    a = float(rng.uniform(0.88, 0.92))
+    # At a = 0.88 the calibration puts K = 4 only 9 % ahead of K = 1, inside the hysteresis: the variant that
+    # trusts it would stay at K = 1 too, and the test could not tell the two apart. From a = 0.90 it is 13 %.
+    a = float(rng.uniform(0.90, 0.93))
     prior = [0.8, 0.77, 0.89, 0.75, 0.82]
     costs = {1: DepthCosts(batch=1, cycle_s={str(k): 0.05 + 0.003 * k for k in range(6)}, acceptance=prior),
              8: DepthCosts(batch=8, cycle_s=calibrated, acceptance=prior)}

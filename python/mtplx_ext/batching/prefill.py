@@ -3,9 +3,10 @@
 Requests arriving together (a fixed batch, a wave of clients) would cost one
 prompt forward each if prefilled alone; here their whole prompts go through
 one [G, W] forward (each left-padded to the longest, as a fixed batch's
-prefill does), and each leaves with its own row of device state, its slots
-moved to start at 0 (`RowState.take_unpadded`), exactly the row its prefill
-alone would have left. Each row draws from its own request's seed and
+prefill does), and each leaves with its own row of device state starting at
+slot 0 (the padding's keys are never stored in the row:
+`RaggedPositions.move_rows_left`), exactly the row its prefill alone
+would have left. Each row draws from its own request's seed and
 sampler (a row's draws never depend on its neighbours), so x0 and the first
 drafts are those of the request prefilled alone.
 """
@@ -32,7 +33,8 @@ from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy
 def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bool
                 ) -> tuple[Cycle, mx.array, list[int]]:
     """A cycle of caches of `cap` slots for `reqs` (left-padded rows, each request's own policy), its padded
-    [G, W] prompt array and each row's padding.
+    [G, W] prompt array and each row's padding. The KV layers keep each row's first real token at slot 0
+    (`RaggedPositions.move_rows_left`): the rows leave as a batch's rows start, without a shift.
 
     Raises:
         ValueError: rows of greedy and sampled kinds together (they prefill under different policies).
@@ -41,6 +43,8 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
     pads = [width - len(r.prompt) for r in reqs]
     cache = runtime.make_cache(pads, ragged=True, capacity=cap)
     head = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
+    for p in {id(c.positions): c.positions for cl in (cache, head or []) for c in cl if hasattr(c, "positions")}.values():
+        p.move_rows_left(pads)
     greedy = [r.sampler.greedy and not r.sampler.has_penalties for r in reqs]
     if all(greedy):
         policy: Any = GreedyPolicy([r.sampler for r in reqs])
@@ -57,9 +61,9 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
     return cyc, padded, pads
 
 
-def group_rows(cyc: Cycle, pads: Sequence[int], tokens: mx.array, info: mx.array | None) -> Rows:
-    """The rows a finished group prefill left in its cycle's caches, unpadded (evaluated)."""
-    rows = Rows(RowState.take_unpadded(cyc.caches(), pads), tokens, info, getattr(cyc.policy, "counts", None))
+def group_rows(cyc: Cycle, tokens: mx.array, info: mx.array | None) -> Rows:
+    """The rows a finished group prefill left in its cycle's caches, each starting at slot 0 (evaluated)."""
+    rows = Rows(RowState.take(cyc.caches()), tokens, info, getattr(cyc.policy, "counts", None))
     mx.eval(rows.arrays())
     RowState.release(cyc.caches())
     return rows
@@ -140,12 +144,12 @@ class PrefillPhase:
         try:
             k = self._prefill_depth(len(reqs))
             cap = admission.capacity(max(r.need for r in reqs))
-            cyc, padded, pads = group_cycle(self.rt, reqs, cap, k, self.mtp)
+            cyc, padded, _ = group_cycle(self.rt, reqs, cap, k, self.mtp)
             self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
             for r in reqs:
                 self._log.prefill(r.id, len(r.prompt))
             tokens, info = cyc.prefill(padded)
-            rows = group_rows(cyc, pads, tokens, info)
+            rows = group_rows(cyc, tokens, info)
         except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
             for r in reqs:
                 self._fail(r, e)

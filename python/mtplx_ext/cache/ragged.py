@@ -60,11 +60,38 @@ class RaggedPositions:
         # writes always go through the device-side ends (replayable).
         self.ragged = capacity is not None
         self.tick = 0
+        self.below_zero = False  # rows may write below slot 0 (`move_rows_left`)
         self._offset: mx.array | None = None
         # The change that led to `tick`: (kind, argument), and for a forward
         # (slot before, write index [B, 1, T, 1] or None, offsets before).
         self.last_change: tuple[str, Any] | None = None
         self.last_forward: tuple[int, mx.array | None, mx.array] | None = None
+
+    def move_rows_left(self, pads: list[int]) -> None:
+        """Makes row b's slots start pads[b] further left (call before the first forward).
+
+        With `pads` the rows' left padding of a left-padded prefill, each row
+        keeps its first real token at slot 0 (a layer whose positions pair
+        the token j past t keeps j slots: left padding pads + j becomes j).
+        Each row's end starts at minus its shift and the left padding drops by
+        it: RoPE offsets (ends - left padding) and masks are those of the
+        padded layout, moved, so every token computes what it would there. The
+        padding's own writes (negative slots) go to the last slot, which no
+        query of a row sees before the row writes its own token there. So a
+        left-padded prefill leaves rows laid out as a batch's rows are, without
+        a shift of their keys and values.
+
+        Raises:
+            ValueError: without a fixed capacity, after a forward, or a shift past a row's left padding.
+        """
+        if self.capacity is None or self.tick:
+            raise ValueError("move_rows_left needs fixed-capacity positions before their first forward")
+        shift = mx.array(list(pads), dtype=mx.int32)
+        if shift.shape != self.left_padding.shape or bool(mx.any(shift > self.left_padding)):
+            raise ValueError(f"pads must give each row a shift of at most its left padding, got {list(pads)}")
+        self.ends, self.left_padding = self.ends - shift, self.left_padding - shift
+        self.below_zero = True
+        self._offset = None
 
     def set_capacity(self, capacity: int) -> None:
         """Raises a fixed capacity (the layers' buffers must grow with it: `RaggedKVCache.grow`)."""
@@ -101,6 +128,8 @@ class RaggedPositions:
                     # past the capacity (finished, still computed) writes its
                     # last slot again instead of outside its buffer.
                     write = mx.minimum(write, self.last_slot)
+                if self.below_zero:  # a padding token's write: to the last slot, seen by no query yet
+                    write = mx.where(write < 0, self.last_slot, write)
                 write = write[:, None, :, None]
             self.last_forward = (self.idx, write, self.offset())
             self.ends = self.ends + arg

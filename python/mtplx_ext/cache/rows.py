@@ -85,31 +85,6 @@ class RowState:
         positions, kv, rec = split_layers(cache_lists)
         return cls([p.ends for p in positions], [c.buffers for c in kv], [list(c.cache) for c in rec])
 
-    @classmethod
-    def take_unpadded(cls, cache_lists: CacheLists, pads: Sequence[int]) -> "RowState":
-        """The rows of cache lists made with `pads` rows of left padding, each row's slots moved left by its
-        padding (a copy).
-
-        A left-padded prefill of several prompts leaves row b's tokens from slot pads[b] on; the rows of a
-        running batch start at slot 0. RoPE positions count from the row's first token (`RaggedPositions.offset`:
-        ends minus left padding, whatever base offset a cache list adds to it), so moving the slots and the
-        ends by the padding keeps every stored key as it is. Slots past a row's new end hold copies of its last
-        slot, never read (attention stops at the end). Rows without padding are taken as they are (`take`).
-        """
-        if not any(pads):
-            return cls.take(cache_lists)
-        positions, kv, rec = split_layers(cache_lists)
-        pad = mx.array(list(pads), dtype=mx.int32)
-        shifted = []
-        for c in kv:
-            out = []
-            for a in c.buffers:
-                S = a.shape[2]
-                idx = mx.minimum(mx.arange(S, dtype=mx.int32)[None, :] + pad[:, None], S - 1)
-                out.append(mx.take_along_axis(a, idx[:, None, :, None], axis=2))
-            shifted.append(out)
-        return cls([p.ends - pad for p in positions], shifted, [list(c.cache) for c in rec])
-
     @staticmethod
     def release(cache_lists: CacheLists) -> None:
         """Drops the cache lists' references to their buffers (the rows live on wherever taken)."""
