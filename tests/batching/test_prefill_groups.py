@@ -124,3 +124,19 @@ def test_quantized_kv_rows_prefilled_together_equal_each_request_prefilled_alone
     got = drive(eng, [(0, dict(prompt=p, max_tokens=10)) for p in prompts])
     assert sizes == [4]
     assert [r.tokens for r in got] == alone
+
+
+def test_moving_rows_left_is_refused_without_a_capacity_after_a_forward_or_past_a_rows_padding():
+    with pytest.raises(ValueError, match="fixed-capacity"):
+        RaggedPositions([1, 0]).move_rows_left([1, 0])
+    p = RaggedPositions([2, 0], capacity=8)
+    with pytest.raises(ValueError, match="at most its left padding"):
+        p.move_rows_left([3, 0])
+    p.move_rows_left([2, 0])
+    assert np.array(p.ends).tolist() == [-2, 0] and np.array(p.left_padding).tolist() == [0, 0]
+    p.apply("forward", 3)  # the padding's two writes go to the last slot; row 0's token to slot 0
+    _, write, offsets = p.last_forward
+    assert np.array(write)[:, 0, :, 0].tolist() == [[7, 7, 0], [0, 1, 2]]
+    assert np.array(offsets).tolist() == [-2, 0]
+    with pytest.raises(ValueError, match="before their first forward"):
+        p.move_rows_left([0, 0])
