@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -60,6 +61,7 @@ def main() -> None:
     for name in args.model:
         folder = SHIPPED_MODEL if name == "shipped" else name
         rt = mtplx_ext.load(folder)
+        label = name if name == "shipped" else Path(name).name  # (the folder's weights are in the provenance)
         for batch in (int(b) for b in args.batch.split(",")):
             prompts = [rt.tokenizer.encode(BENCH_PROMPTS[i % len(BENCH_PROMPTS)]).ids for i in range(batch)]
             k = auto_depth(rt, batch)
@@ -77,12 +79,12 @@ def main() -> None:
                     same &= outs[True] == outs[False]
                 per = np.array(tps[True]) / np.array(tps[False])
                 low, high = bootstrap_median(per)
-                row = {"model": name, "batch": batch, "mtp": mtp, "depth": k if mtp else 0,
+                row = {"model": label, "batch": batch, "mtp": mtp, "depth": k if mtp else 0,
                        "reference_tps": statistics.median(tps[False]), "engine_tps": statistics.median(tps[True]),
                        "ratio": float(np.median(per)), "low": low, "high": high, "rounds": per.tolist(),
                        "same_tokens": same}
                 rows.append(row)
-                print(f"| {name} | {batch} | {'MTP K=' + str(k) if mtp else 'plain'} | {row['reference_tps']:.1f} | "
+                print(f"| {label} | {batch} | {'MTP K=' + str(k) if mtp else 'plain'} | {row['reference_tps']:.1f} | "
                       f"{row['engine_tps']:.1f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} | {'yes' if same else 'NO'} |",
                       flush=True)
     if args.json:
