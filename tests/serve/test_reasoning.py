@@ -13,11 +13,9 @@ marker and a JSON schema applying to the answer after the reasoning only.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import httpx
 import pytest
-from tokenizers import Tokenizer
 
 import _seed
 
@@ -25,51 +23,15 @@ openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 jsonschema = pytest.importorskip("jsonschema")
 
-from _serve import AppThread, LiveServer, ScriptedEngine  # noqa: E402
+from _reasoning import SCHEMA, folder, live, scripted  # noqa: E402,F401  (fixtures)
+from _serve import AppThread  # noqa: E402
+from _reasoning import reply_text as _reply  # noqa: E402
 from test_reasoning_splitter import oracle  # noqa: E402
 
 from mtplx_ext.serve import API, load_chat_tokenizer  # noqa: E402
-from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
-#: A Qwen3-style template (written for these tests): history keeps `reasoning_content`; with enable_thinking
-#: the prompt opens `<think>` (as Qwen3-2507 / DeepSeek-R1 do), with `free` the model opens it itself, else
-#: the prompt closes an empty block; the other template variables are rendered for the tests to read.
-THINK_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
-    "{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if reasoning_effort is defined %}[effort={{ reasoning_effort }}]{% endif %}"
-    "{% if extra is defined %}[extra={{ extra | tojson }}]{% endif %}"
-    "{% if enable_thinking %}<think>\n{% elif not free %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
 OPEN = {"chat_template_kwargs": {"enable_thinking": True}}
-SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "ok": {"type": "boolean"}},
-          "required": ["n", "ok"], "additionalProperties": False}
 USER = [{"role": "user", "content": "def parse(data):"}]
-
-
-def think_folder(tmp: Path) -> Path:
-    """The shipped tokenizer with `THINK_TEMPLATE`."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    (tmp / "tokenizer.json").write_bytes((SHIPPED_MODEL / "tokenizer.json").read_bytes())
-    cfg = json.loads((SHIPPED_MODEL / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = THINK_TEMPLATE
-    (tmp / "tokenizer_config.json").write_text(json.dumps(cfg))
-    return tmp
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return think_folder(tmp_path_factory.mktemp("think-model"))
-
-
-@pytest.fixture(scope="module")
-def scripted(folder):
-    eng = ScriptedEngine(Tokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json")))
-    with AppThread.scripted(eng, folder) as a:
-        yield a, eng
 
 
 def _oa(base: str) -> "openai.OpenAI":
@@ -78,12 +40,6 @@ def _oa(base: str) -> "openai.OpenAI":
 
 def _an(base: str) -> "anthropic.Anthropic":
     return anthropic.Anthropic(base_url=base, api_key="none", timeout=120, max_retries=0)
-
-
-def _reply(rng) -> str:
-    """Reasoning and answer text with '<', '/' and cut-short markers, which must come through as text."""
-    words = ["x < y", " </th", "ink", "\n", " <b>", "think", " é", " /", "> ", "a"]
-    return "".join(rng.choice(words, int(rng.integers(0, 9))))
 
 
 CASES = [  # (request fields, the prompt opened the reasoning, how the model writes its reply)
@@ -195,15 +151,6 @@ def test_request_fields_reach_the_template(scripted, folder):
 
 
 # -- the real engine ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    """The shipped model served at depth 2, with the reasoning template."""
-    with LiveServer("--max-batch", "2", "--depth", "2") as s:
-        api = API(s.api.engine, "think", s.api.tokenizer, load_chat_tokenizer(folder), None, s.api.eos_ids)
-        with AppThread(api) as a:
-            yield a, s
 
 
 def test_a_budget_forces_the_end_marker_with_mtp_on(live):

@@ -29,52 +29,22 @@ import _seed
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 
-from _serve import AppThread, LiveServer, ScriptedEngine  # noqa: E402
-from test_reasoning import SCHEMA, think_folder  # noqa: E402
+from _reasoning import SCHEMA, folder, live, scripted  # noqa: E402,F401  (fixtures)
+from _serve import AppThread  # noqa: E402
+from _reasoning import reply_text as _reply  # noqa: E402
 from test_reasoning_splitter import oracle  # noqa: E402
 from test_responses import _raw_stream, check_events  # noqa: E402
 
 from mtplx_ext.decode.reasoning_gate import ReasoningGate  # noqa: E402
 from mtplx_ext.serve import API, load_chat_tokenizer  # noqa: E402
 from mtplx_ext.serve.responses_output import Output, output_text, reasoning_text  # noqa: E402
-from mtplx_ext.shipped import SHIPPED_MODEL  # noqa: E402
 
 PROMPT = "def parse(data):"
 USER = [{"role": "user", "content": PROMPT}]
 
 
-class RecordingEngine(ScriptedEngine):
-    """A `ScriptedEngine` that also records each request's constraint (it decodes unconstrained)."""
-
-    def __init__(self, tokenizer):
-        super().__init__(tokenizer)
-        self.constraints: list = []
-
-    def submit(self, prompt, **kw):
-        self.constraints.append(kw.get("constraint"))
-        return super().submit(prompt, **kw)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return think_folder(tmp_path_factory.mktemp("think-model"))
-
-
-@pytest.fixture(scope="module")
-def scripted(folder):
-    eng = RecordingEngine(Tokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json")))
-    with AppThread.scripted(eng, folder) as a:
-        yield a, eng
-
-
 def _oa(base: str) -> "openai.OpenAI":
     return openai.OpenAI(base_url=base + "/v1", api_key="none", timeout=120, max_retries=0)
-
-
-def _reply(rng) -> str:
-    """Text with '<', '/' and cut-short markers, which must come through as text."""
-    words = ["x < y", " </th", "ink", "\n", " <b>", "think", " é", " /", "> ", "a"]
-    return "".join(rng.choice(words, int(rng.integers(0, 9))))
 
 
 def reasoning_tokens(tok: Tokenizer, reply: str, has_block: bool) -> int:
@@ -310,15 +280,6 @@ def test_json_schema_with_reasoning_is_gated_after_it(scripted):
 
 
 # -- the real engine ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    """The shipped model served at depth 2, with the reasoning template."""
-    with LiveServer("--max-batch", "2", "--depth", "2") as s:
-        api = API(s.api.engine, "think", s.api.tokenizer, load_chat_tokenizer(folder), None, s.api.eos_ids)
-        with AppThread(api) as a:
-            yield a, s
 
 
 def test_the_schema_applies_after_the_reasoning(live):
