@@ -31,9 +31,9 @@ from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy
 
 
 def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bool
-                ) -> tuple[Cycle, mx.array, list[int]]:
-    """A cycle of caches of `cap` slots for `reqs` (left-padded rows, each request's own policy), its padded
-    [G, W] prompt array and each row's padding. The KV layers keep each row's first real token at slot 0
+                ) -> tuple[Cycle, mx.array]:
+    """A cycle of caches of `cap` slots for `reqs` (left-padded rows, each request's own policy) and its
+    padded [G, W] prompt array. The KV layers keep each row's first real token at slot 0
     (`RaggedPositions.move_rows_left`): the rows leave as a batch's rows start, without a shift.
 
     Raises:
@@ -58,7 +58,7 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
     cyc = Cycle(runtime, policy, cache, head, depth, per_stream=mtp,
                 logprobs=any(r.logprobs is not None for r in reqs))
     padded = mx.array([[0] * pad + list(r.prompt) for pad, r in zip(pads, reqs)], dtype=mx.int32)
-    return cyc, padded, pads
+    return cyc, padded
 
 
 def group_rows(cyc: Cycle, tokens: mx.array, info: mx.array | None) -> Rows:
@@ -144,7 +144,7 @@ class PrefillPhase:
         try:
             k = self._prefill_depth(len(reqs))
             cap = admission.capacity(max(r.need for r in reqs))
-            cyc, padded, _ = group_cycle(self.rt, reqs, cap, k, self.mtp)
+            cyc, padded = group_cycle(self.rt, reqs, cap, k, self.mtp)
             self.counters["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
             for r in reqs:
                 self._log.prefill(r.id, len(r.prompt))
