@@ -18,7 +18,7 @@ import mlx.core as mx
 from mtplx_ext.batching.metrics import kv_bytes
 from mtplx_ext.batching.scheduler import BatchShape
 from mtplx_ext.batching.rows import RowRecord
-from mtplx_ext.cache.rows import RowState
+from mtplx_ext.cache.rows import RowState, concat_rows
 from mtplx_ext.decode.constraint import mask_words
 from mtplx_ext.decode.cycle import Cycle
 from mtplx_ext.decode.policies import GreedyPolicy, SampledPolicy
@@ -97,9 +97,7 @@ def merge_rows(parts: Sequence[tuple[Rows, mx.array | None]], capacity: int, kin
                  for d, idx in parts]
 
     def cat(get: Callable[[Rows], mx.array]) -> mx.array:
-        if len(parts) == 1 and parts[0][1] is None:
-            return get(parts[0][0])
-        return mx.concatenate([get(d) if idx is None else get(d)[idx] for d, idx in parts], axis=0)
+        return concat_rows(parts, get)
 
     cache = RowState.gather([(d.cache, idx) for d, idx in parts], capacity)
     info = None

@@ -64,6 +64,14 @@ def fit_capacity(a: mx.array, cap: int) -> mx.array:
     return mx.pad(a, [(0, 0), (0, 0), (0, cap - S), (0, 0)])
 
 
+def concat_rows(parts: Sequence[tuple[Any, mx.array | None]], get: Callable[[Any], mx.array]) -> mx.array:
+    """`get(part)`'s chosen rows of each (part, row indices or None for all), concatenated in order; one whole
+    part is taken as it is, without a copy (a batch made of one prefill's rows)."""
+    if len(parts) == 1 and parts[0][1] is None:
+        return get(parts[0][0])
+    return mx.concatenate([get(p) if idx is None else get(p)[idx] for p, idx in parts], axis=0)
+
+
 @dataclass
 class RowState:
     """The device rows of a batch's cache lists.
@@ -121,20 +129,18 @@ class RowState:
     def gather(parts: Sequence[tuple["RowState", mx.array | None]], capacity: int) -> "RowState":
         """One state of the chosen rows of several, in order: (state, row indices or None for all).
 
-        One whole state (a batch made of one prefill's rows) is taken as it is, without a copy.
+        One whole state is taken as it is (`concat_rows`).
         """
 
         def cat(get: Callable[["RowState"], mx.array]) -> mx.array:
-            if len(parts) == 1 and parts[0][1] is None:
-                return get(parts[0][0])
-            return mx.concatenate([get(s) if idx is None else get(s)[idx] for s, idx in parts], axis=0)
+            return concat_rows(parts, get)
 
         first = parts[0][0]
         return RowState(
             ends=[cat(lambda s, j=j: s.ends[j]) for j in range(len(first.ends))],
             kv=[
-                [cat(lambda s, j=j, k=k: fit_capacity(s.kv[j][k], capacity)) for k in range(len(parts))]
-                for j, parts in enumerate(first.kv)
+                [cat(lambda s, j=j, k=k: fit_capacity(s.kv[j][k], capacity)) for k in range(len(bufs))]
+                for j, bufs in enumerate(first.kv)
             ],
             rec=[
                 [cat(lambda s, j=j, k=k: s.rec[j][k]) for k in range(len(leaves))]
@@ -143,4 +149,4 @@ class RowState:
         )
 
 
-__all__ = ["RowState", "fit_capacity", "split_layers"]
+__all__ = ["RowState", "concat_rows", "fit_capacity", "split_layers"]
