@@ -43,7 +43,8 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
     pads = [width - len(r.prompt) for r in reqs]
     cache = runtime.make_cache(pads, ragged=True, capacity=cap)
     head = runtime.make_head_cache(pads, ragged=True, capacity=cap, depth=max(depth, 1)) if mtp else None
-    for p in {id(c.positions): c.positions for cl in (cache, head or []) for c in cl if hasattr(c, "positions")}.values():
+    positions = {id(c.positions): c.positions for cl in (cache, head or []) for c in cl if hasattr(c, "positions")}
+    for p in positions.values():
         p.move_rows_left(pads)
     greedy = [r.sampler.greedy and not r.sampler.has_penalties for r in reqs]
     if all(greedy):

@@ -51,7 +51,8 @@ class RowRecord(SettingsView):
     step_off: int = 0
     x0_committed: bool = False
     lp_next: Any = None
-    _info: RowInfo | None = field(default=None, init=False, repr=False)  # `info()` while running: its fields never change
+    # `info()`, built once: its fields never change while the request runs.
+    _info: RowInfo | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def new(cls, rid: int, prompt: list[int], settings: RowSettings, need: int,
