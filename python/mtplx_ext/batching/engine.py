@@ -272,6 +272,8 @@ class Engine(PrefillPhase):
 
     def _recompose(self) -> None:
         """Runs the scheduler's `BatchPlan`: drops finished rows, merges prefilled ones into one compact batch."""
+        if not (self._ready or self._rechoose) and all(r.finish_reason is None for r in self._live):
+            return  # (the common step: nothing for `needs_rebuild` to weigh, no per-row records built)
         live, ready = [r.info() for r in self._live], [r.info() for r in self._ready]
         if not needs_rebuild(live, ready, self._rechoose, self.compact_rows):
             return

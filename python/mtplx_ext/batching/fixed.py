@@ -165,6 +165,9 @@ def needs_reference(runtime: Any, reject_mode: str, enforce_eager: bool) -> bool
     return session.has_recurrent_layers(runtime) and not session.gated_delta_trunk(runtime)
 
 
+_GREEDY = SamplerConfig(temperature=0.0)  # (frozen: one shared)
+
+
 def _samplers(sampler: Any, n: int) -> list[SamplerConfig]:
     if isinstance(sampler, SamplerConfig):
         return [sampler] * n
@@ -172,7 +175,7 @@ def _samplers(sampler: Any, n: int) -> list[SamplerConfig]:
         if len(sampler) != n:
             raise ValueError(f"sampler has {len(sampler)} SamplerConfigs for {n} prompts")
         return list(sampler)
-    return [SamplerConfig(temperature=0.0)] * n  # None, or greedy by temperature (make_policy checked it)
+    return [_GREEDY] * n  # None, or greedy by temperature (make_policy checked it)
 
 
 def _row_seeds(seed: int | None, row_seeds: Sequence[int] | None, n: int) -> list[int]:

@@ -155,9 +155,9 @@ class PrefillPhase:
             for r in reqs:
                 self._fail(r, e)
             return
-        lps = cyc.prefill_logprobs
+        lps, x0s = cyc.prefill_logprobs, np.array(tokens[:, 0]).tolist()  # (the group's one host read)
         for i, r in enumerate(reqs):
-            self._finish_prefill(r, cyc, tokens[i:i + 1], None, (rows, i), None if lps is None else lps[i:i + 1])
+            self._finish_prefill(r, cyc, x0s[i], None, (rows, i), None if lps is None else lps[i:i + 1])
 
     def _prefill_depth(self, joining: int) -> int:
         """The K of the batch that prefilled rows would join (their first drafts)."""
@@ -173,10 +173,11 @@ class PrefillPhase:
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
-    def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array, info: Any,
+    def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array | int, info: Any,
                         grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
-        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's)."""
-        r.prefill, x0 = None, int(np.array(tokens)[0, 0])
+        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's, and
+        `tokens` its x0 already read)."""
+        r.prefill, x0 = None, tokens if isinstance(tokens, int) else int(np.array(tokens)[0, 0])
         if grouped is None:
             self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
             r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
