@@ -56,6 +56,28 @@ def test_the_engine_front_commits_the_reference_loops_tokens(rng, monkeypatch, f
         assert front.accepted == ref.accepted and front.drafted == ref.drafted
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("mtp", [False, True])
+def test_streams_ending_at_their_first_token_end_there_while_the_others_go_on(rng, sampled, mtp):
+    """A row's first token is read after its batch's first cycle launched (`PrefillPhase._defers`): a stream
+    that this token ends sits in the launched batch finished; it must end with that one token, the others
+    decode on as the reference loop's."""
+    rt = _runtime("qwen3", rng)
+    prompts = _prompts(rng, rt.vocab_size, 5)
+    cfg = SamplerConfig(temperature=1.3) if sampled else None
+    seeds = [int(s) for s in rng.integers(0, 2**62, size=len(prompts))]
+    first = generate_reference(rt, prompts, max_new_tokens=1, sampler=cfg, row_seeds=seeds, use_mtp_draft=mtp)
+    x0 = [s.tokens[0] for s in first.streams]
+    stops = {x0[0], x0[3]}
+    args = dict(max_new_tokens=10, sampler=cfg, row_seeds=seeds, use_mtp_draft=mtp, depth=2, stop_token_ids=stops)
+    front = mtplx_ext.generate_batched(rt, prompts, **args)
+    ref = generate_reference(rt, prompts, **args)
+    assert [s.tokens for s in front.streams] == [s.tokens for s in ref.streams]
+    assert [s.finish_reason for s in front.streams] == [s.finish_reason for s in ref.streams]
+    assert front.streams[0].tokens == [x0[0]] and front.streams[0].finish_reason == "stop"
+    assert any(len(s.tokens) > 1 for s in front.streams), "every stream ended at its first token"
+
+
 def test_a_seed_alone_derives_the_rows_seeds_as_the_reference_loop_does(rng):
     rt = _runtime("qwen3", rng)
     prompts = _prompts(rng, rt.vocab_size, 4)

@@ -16,12 +16,17 @@ Each engine step:
    submit; only the engine's own thread touches MLX);
 2. waiting requests are prefilled alone (B = 1, `Cycle.prefill_steps`), one
    chunk of `prefill_chunk` tokens per step while other streams decode, so a
-   long prompt never stalls them for its whole prefill;
+   long prompt never stalls them for its whole prefill (requests that start
+   together prefill in one left-padded forward: `prefill`);
 3. the running batch is recomposed when a stream finished, was cancelled or
    a prefill completed: the rows that go on and the new ones are gathered
    into one compact batch (finished rows cost nothing afterwards), each at
    its own positions (per-stream end slots of `RaggedKVCache`); on hybrid
-   trunks each row's recurrent and conv state (`ArraysCache`) moves with it;
+   trunks each row's recurrent and conv state (`ArraysCache`) moves with it.
+   The host builds that batch while the device still runs the prefill: a
+   new row's first token is read once the batch's first cycle is launched
+   (`PrefillPhase._defers`), so the device does not wait for the host
+   between the two;
 4. one MTP cycle (`Cycle`'s compiled per-stream step: K drafts, one
    [B, K + 1] verification, per-stream commit) runs for all live streams,
    its bundle is read once, and each stream's committed tokens go out;

@@ -43,10 +43,11 @@ class Rows:
     counts: mx.array | None = None
 
     @classmethod
-    def prefilled(cls, cyc: Cycle, tokens: mx.array, info: mx.array | None) -> "Rows":
-        """The rows a finished prefill left in its cycle's caches (evaluated)."""
+    def prefilled(cls, cyc: Cycle, tokens: mx.array, info: mx.array | None, wait: bool = True) -> "Rows":
+        """The rows a finished prefill left in its cycle's caches (evaluated; or only launched with `wait`
+        False)."""
         rows = cls(RowState.take(cyc.caches()), tokens, info, getattr(cyc.policy, "counts", None))
-        mx.eval(rows.arrays())
+        (mx.eval if wait else mx.async_eval)(rows.arrays())
         return rows
 
     def arrays(self) -> list[mx.array]:

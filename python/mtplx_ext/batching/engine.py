@@ -323,6 +323,11 @@ class Engine(PrefillPhase):
         self._guide, self._next, self._info = constrained.recomposed(
             reqs, batch.policy, self.vocab, K + 1 if self.mtp else 1, self.mtp, self._next, self._info)
         self.stats.host_syncs += self._guide is not None and self.mtp  # (the read of the rows' drafts)
+        pending = [r for r in new if r.first is not None]
+        if pending:  # the first cycle goes to the device first, then the joining rows' first tokens are read
+            self._inflight = self._launch()
+            mx.async_eval(self._inflight.bundle)
+            self._deliver_firsts(pending)
         self._streams = batch_streams(reqs, self.vocab, K if self.mtp else 0, self.mtp, self.stats)
 
     per_batch_depth = True  #: depth="auto" picks K per batch size (LockstepEngine: one K agreed by the ranks)

@@ -63,10 +63,11 @@ def group_cycle(runtime: Any, reqs: Sequence[Any], cap: int, depth: int, mtp: bo
     return cyc, padded
 
 
-def group_rows(cyc: Cycle, tokens: mx.array, info: mx.array | None) -> Rows:
-    """The rows a finished group prefill left in its cycle's caches, each starting at slot 0 (evaluated)."""
+def group_rows(cyc: Cycle, tokens: mx.array, info: mx.array | None, wait: bool = True) -> Rows:
+    """The rows a finished group prefill left in its cycle's caches, each starting at slot 0 (evaluated; or
+    only launched with `wait` False)."""
     rows = Rows(RowState.take(cyc.caches()), tokens, info, getattr(cyc.policy, "counts", None))
-    mx.eval(rows.arrays())
+    (mx.eval if wait else mx.async_eval)(rows.arrays())
     RowState.release(cyc.caches())
     return rows
 
@@ -134,7 +135,8 @@ class PrefillPhase:
                     self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
                 except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
                     self._waiting.remove(r)
-                    self._prepare_batch([r])
+                    if not self._defers(r):
+                        self._prepare_batch([r])
                     self._finish_prefill(r, cyc, *done.value)
                     return
         except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
@@ -152,15 +154,18 @@ class PrefillPhase:
             for r in reqs:
                 self._log.prefill(r.id, len(r.prompt))
             tokens, info = cyc.prefill(padded)
-            self._prepare_batch(reqs)
-            rows = group_rows(cyc, tokens, info)
+            defer = all(self._defers(r) for r in reqs)
+            if not defer:
+                self._prepare_batch(reqs)
+            rows = group_rows(cyc, tokens, info, wait=not defer)
         except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
             for r in reqs:
                 self._fail(r, e)
             return
-        lps, x0s = cyc.prefill_logprobs, np.array(tokens[:, 0]).tolist()  # (the group's one host read)
+        lps = cyc.prefill_logprobs
+        x0s = [None] * len(reqs) if defer else np.array(tokens[:, 0]).tolist()  # (the group's one host read)
         for i, r in enumerate(reqs):
-            self._finish_prefill(r, cyc, x0s[i], None, (rows, i), None if lps is None else lps[i:i + 1])
+            self._finish_prefill(r, cyc, tokens, None, (rows, i), None if lps is None else lps[i:i + 1], x0s[i])
 
     def _prepare_batch(self, joining: Sequence[RowRecord]) -> None:
         """Host work of the batch `joining` would form with the rows held, done while the device runs their
@@ -193,28 +198,59 @@ class PrefillPhase:
         steps = cyc.prefill_steps(mx.array([r.prompt], dtype=mx.int32), self.prefill_chunk, r.prefill_from)
         r.prefill, r.prefill_pos = (steps, cyc), r.prefill_from
 
-    def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array | int, info: Any,
-                        grouped: tuple[Rows, int] | None = None, packed_lp: Any = None) -> None:
-        """A prefilled request: its first token out, its row ready to join (`grouped`: its row of a group's, and
-        `tokens` its x0 already read)."""
-        r.prefill, x0 = None, tokens if isinstance(tokens, int) else int(np.array(tokens)[0, 0])
+    def _defers(self, r: RowRecord) -> bool:
+        """Whether r's first token is read only once its batch's first cycle is launched (`_deliver_firsts`),
+        not at the end of its prefill: the host then builds that batch while the device runs the prefill. Not
+        with a prefix cache (it stores the prompt with the token), a constraint (its grammar takes the token
+        first) or a cap of one token (the request ends with it, never joining a batch)."""
+        return self.prefix.max_bytes <= 0 and r.constraint is None and r.max_tokens > 1
+
+    def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array, info: Any,
+                        grouped: tuple[Rows, int] | None = None, packed_lp: Any = None, x0: int | None = None
+                        ) -> None:
+        """A prefilled request: its row ready to join (`grouped`: its row of a group's, `tokens` the group's) and
+        its first token out, now or, when it `_defers`, after its batch's first launch. `x0`: the token, already
+        read (a group reads its rows' in one read)."""
+        r.prefill, defer = None, x0 is None and self._defers(r)
+        if x0 is None and not defer:
+            x0 = int(np.array(tokens)[0, 0])
         if grouped is None:
-            self.prefix.store(r.prompt + [x0], cyc.caches())  # the prompt's positions, its last one's pair with x0
-            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info), None, cyc.prefill_logprobs
+            if not defer:  # the prompt's positions, its last one's pair with x0
+                self.prefix.store(r.prompt + [x0], cyc.caches())
+            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info, wait=not defer), None, cyc.prefill_logprobs
         else:  # (its prompt is stored with its reply when it finishes)
             r.row, r.row_index = grouped
         # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
         r.step_off = self.cycle_count + 1 - (1 if self.mtp else 2)
-        # The prefill's token goes out now (time to first token = the prefill), with MTP too: its first
-        # cycle's bundle then starts with it again.
-        constrained.finish_prefill(r, x0, self.mtp)
         self._log.prefilled.append(r.id)
-        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
-                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
+        if defer:
+            r.first = (tokens, 0 if grouped is None else grouped[1], packed_lp)
+            r.x0_committed = self.mtp
+            self._ready.append(r)
+            return
+        self._deliver_first(r, x0, packed_lp)
         if r.finish_reason is not None:
             return
         r.x0_committed = self.mtp
         self._ready.append(r)
+
+    def _deliver_first(self, r: RowRecord, x0: int, packed_lp: Any) -> None:
+        """The prefill's token goes out (time to first token: the prefill), with MTP too: its first cycle's
+        bundle then starts with it again. It may end the request (a stop token, a cap of one token)."""
+        constrained.finish_prefill(r, x0, self.mtp)
+        self._commit_host(r, [x0], "stop" if x0 in r.stop_ids else ("length" if r.max_tokens <= 1 else None),
+                          valid=0 <= x0 < self.vocab, lp=prefill_entry(r, packed_lp))
+
+    def _deliver_firsts(self, reqs: Sequence[RowRecord]) -> None:
+        """The first tokens of rows that joined the batch before they were read (`_defers`), in one host read
+        (the batch's first cycle already launched). A row its token ends stays in the batch, finished, until
+        the scheduler drops it, as a row that finished in a cycle does."""
+        arrays = {id(r.first[0]): r.first[0] for r in reqs}
+        mx.eval(*arrays.values())
+        host = {k: np.array(a) for k, a in arrays.items()}
+        for r in reqs:
+            (tokens, i, packed_lp), r.first = r.first, None
+            self._deliver_first(r, int(host[id(tokens)][i, 0]), packed_lp)
 
 
 __all__ = ["PrefillPhase", "group_cycle", "group_rows", "row_parts"]

@@ -37,6 +37,8 @@ class RowRecord(SettingsView):
         step_off: the cycle its stream's own step count starts from (`SampledPolicy.step_base`).
         x0_committed: with MTP, its x0 went out at the prefill; its first bundle repeats it.
         lp_next: the logprob entry of its next x0 (`token_logprobs`).
+        first: its prefill's first token not read yet: (tokens, row, logprobs), read once its batch's first
+            cycle is launched (`PrefillPhase._deliver_firsts`); None otherwise.
     """
 
     req: Request
@@ -51,6 +53,7 @@ class RowRecord(SettingsView):
     step_off: int = 0
     x0_committed: bool = False
     lp_next: Any = None
+    first: Any = None
     # `info()`, built once: its fields never change while the request runs.
     _info: RowInfo | None = field(default=None, init=False, repr=False)
 
