@@ -177,9 +177,8 @@ class Batch:
     def caches(self) -> list[list]:
         return self.cycle.caches()
 
-    def load(self, rows: Rows, reqs: Sequence[RowRecord], weights: tuple[int, ...] | None = None) -> None:
-        """Makes this batch hold the rows of `reqs` (compiling its steps the first time; `weights`: as
-        `Cycle.compile_steps`')."""
+    def load(self, rows: Rows, reqs: Sequence[RowRecord]) -> None:
+        """Makes this batch hold the rows of `reqs` (compiling its steps the first time)."""
         rows.cache.load_into(self.caches(), self.B, self.cap)
         self.kv_bytes = kv_bytes(self.caches())  # what the loaded rows' KV buffers hold (`Engine.kv_bytes`)
         if self.cycle.row_depth is not None:
@@ -188,7 +187,7 @@ class Batch:
             [r.seed for r in reqs], [r.sampler for r in reqs], [r.step_off for r in reqs], rows.next[:, 0], rows.counts
         )
         if not self.compiled:
-            self.cycle.compile_steps(weights)
+            self.cycle.compile_steps()
             self.compiled = True
 
     def release(self) -> None:

@@ -106,8 +106,6 @@ class Engine(PrefillPhase):
         self._step_end: float | None = None  # when the last step that decoded ended (`_time_step`)
         self._thread: EngineThread | None = None
         self._wired: Any = None
-        #: The runtime's `weight_ids`, read in this step while the device ran a prefill (`_prepare_batch`).
-        self._step_weights: tuple[int, ...] | None = None
 
     def submit(
         self,
@@ -221,7 +219,6 @@ class Engine(PrefillPhase):
         The result is falsy when the engine is idle afterwards (nothing waiting, prefilling or decoding), so
         `while engine.step(): ...` steps until every request has ended.
         """
-        self._step_weights = None
         for item in self.take_inbox():
             self.admit(item)
         self._drop_cancelled()
@@ -317,7 +314,7 @@ class Engine(PrefillPhase):
         batch = self._batches.get(shape)
         if batch is None:
             batch = self._batches[shape] = Batch(self.rt, shape, self.mtp)
-        batch.load(rows, reqs, self._step_weights)
+        batch.load(rows, reqs)
         self._batch = batch
         self._next, self._info = rows.next, rows.info
         self._guide, self._next, self._info = constrained.recomposed(

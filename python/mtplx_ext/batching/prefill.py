@@ -20,10 +20,9 @@ import mlx.core as mx
 import numpy as np
 
 from mtplx_ext.batching import admission, constrained
-from mtplx_ext.batching.batch import Batch, Rows, prefill_cycle
+from mtplx_ext.batching.batch import Rows, prefill_cycle
 from mtplx_ext.batching.rows import RowRecord
-from mtplx_ext.batching.scheduler import Waiting, plan_batch, plan_prefill
-from mtplx_ext.cache.compiled_step import weight_ids
+from mtplx_ext.batching.scheduler import Waiting, plan_prefill
 from mtplx_ext.batching.token_logprobs import prefill_entry
 from mtplx_ext.cache.rows import RowState
 from mtplx_ext.decode.constraint import RowConstraints
@@ -135,8 +134,6 @@ class PrefillPhase:
                     self.prefix.checkpoint(r.prompt, r.prefill_pos, cyc.caches())  # (hybrid trunks' states)
                 except StopIteration as done:  # (a prefix-cache hit can end it before the plan's chunks)
                     self._waiting.remove(r)
-                    if not self._defers(r):
-                        self._prepare_batch([r])
                     self._finish_prefill(r, cyc, *done.value)
                     return
         except Exception as e:  # noqa: BLE001 - one request fails, the engine goes on
@@ -155,8 +152,6 @@ class PrefillPhase:
                 self._log.prefill(r.id, len(r.prompt))
             tokens, info = cyc.prefill(padded)
             defer = all(self._defers(r) for r in reqs)
-            if not defer:
-                self._prepare_batch(reqs)
             rows = group_rows(cyc, tokens, info, wait=not defer)
         except Exception as e:  # noqa: BLE001 - the group's requests fail, the engine goes on
             for r in reqs:
@@ -166,23 +161,6 @@ class PrefillPhase:
         x0s = [None] * len(reqs) if defer else np.array(tokens[:, 0]).tolist()  # (the group's one host read)
         for i, r in enumerate(reqs):
             self._finish_prefill(r, cyc, tokens, None, (rows, i), None if lps is None else lps[i:i + 1], x0s[i])
-
-    def _prepare_batch(self, joining: Sequence[RowRecord]) -> None:
-        """Host work of the batch `joining` would form with the rows held, done while the device runs their
-        prefill (the step's recomposition waits for it otherwise): that shape's `Batch` built, and the weights
-        its compiled steps are keyed by read (for this step only). A guess: the recomposition
-        plans again (a request that ends at its first token leaves the batch unused)."""
-        live = [r.info() for r in self._live]
-        ready = [r.info() for r in self._ready] + [r.info() for r in joining]
-        depth_for = self._depths.expected if self._depths else (lambda rows: self.depth)
-        plan = plan_batch(live, ready, True, self.mtp, depth_for)
-        if plan is None or plan.shape is None:
-            return
-        batch = self._batches.get(plan.shape)
-        if batch is None:
-            batch = self._batches[plan.shape] = Batch(self.rt, plan.shape, self.mtp)
-        if not batch.compiled:
-            self._step_weights = weight_ids(self.rt)
 
     def _prefill_depth(self, joining: int) -> int:
         """The K of the batch that prefilled rows would join (their first drafts)."""

@@ -301,7 +301,7 @@ class Cycle:
 
     # -- compiled steps ------------------------------------------------------
 
-    def compile_steps(self, weights: tuple[int, ...] | None = None) -> None:
+    def compile_steps(self) -> None:
         """Replays every later step through `mx.compile` (after the prefill).
 
         Needs fixed-capacity ragged caches and a policy that lists its device
@@ -309,9 +309,6 @@ class Cycle:
         one step per cycle); "first", "accept" and "repair{r}" (uniform
         repair: the host picks one from the bundle; a repair kind is traced
         when first needed). All kinds share the caches and the policy's state.
-        `weights`: the runtime's `weight_ids` when the caller read them since
-        they last could change (e.g. while the device ran the prefill), else
-        read here.
         """
         self._holders = [(self.policy, a) for a in self.policy.state_attrs if getattr(self.policy, a, None) is not None]
         self._holders += [(self, "row_depth")] if self.row_depth is not None else []
@@ -325,18 +322,18 @@ class Cycle:
         # stay lazy and are dropped unevaluated).
         uniform = self.recurrent and not self.per_stream
         self._snapshot_slots = rollback.snapshot_recurrent(self.cache).slots if uniform else []
-        self._sig = self._signature(weights)
+        self._sig = self._signature()
         self.compiled = {k: self._compile(k, u) for k, u in units.items()}
         # All kinds share one state: any of them can reserve, save or load it.
         self._shared = next(iter(self.compiled.values()))
 
-    def _signature(self, weights: tuple[int, ...] | None = None) -> tuple:
+    def _signature(self) -> tuple:
         """What decides a compiled step's graph besides its kind, and the shapes it is first called with.
 
         The shapes (rows and slots of the first layer's cache) make a kept step one that has already traced
         them: decodes of two batch sizes keep one step each instead of taking turns re-tracing one.
         """
-        weights = weight_ids(self.rt) if weights is None else weights
+        weights = weight_ids(self.rt)
         policy = (type(self.policy).__name__, tuple(n for _, n in self._holders), getattr(self.policy, "penalties", None))
         layout = tuple(type(c).__name__ for cl in self.caches() for c in cl)
         shapes = tuple(tuple(a.shape) for a in self.caches()[0][0].state if isinstance(a, mx.array))
