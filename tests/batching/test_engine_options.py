@@ -13,7 +13,7 @@ from mtplx_ext.batching import Engine, EngineOptions
 DOCUMENTED = dict(max_batch=8, depth="auto", use_mtp=True, max_kv_slots=None, prefill_chunk=256, context=None,
                   prefix_cache_bytes=0, prefix_cache_dir=None, prefix_cache_disk_bytes=4 << 30,
                   prefix_block_tokens=32, kv_bits=None, kv_group_size=64, launch_ahead=True, compact_rows=True,
-                  detokenize=True)
+                  detokenize=True, first_token_at_prefill=True)
 
 
 def _resolved(eng: Engine) -> dict:

@@ -23,10 +23,11 @@ Each engine step:
    into one compact batch (finished rows cost nothing afterwards), each at
    its own positions (per-stream end slots of `RaggedKVCache`); on hybrid
    trunks each row's recurrent and conv state (`ArraysCache`) moves with it.
-   The host builds that batch while the device still runs the prefill: a
-   new row's first token is read once the batch's first cycle is launched
-   (`PrefillPhase._defers`), so the device does not wait for the host
-   between the two;
+   A new row's first token goes out when its prefill ends (time to first
+   token); where no one reads it sooner (fixed batches:
+   `EngineOptions.first_token_at_prefill`), it is read only once the batch
+   is built and its first cycle launched, so the device does not wait for
+   the host between the two (`PrefillPhase._defers`);
 4. one MTP cycle (`Cycle`'s compiled per-stream step: K drafts, one
    [B, K + 1] verification, per-stream commit) runs for all live streams,
    its bundle is read once, and each stream's committed tokens go out;

@@ -133,7 +133,7 @@ def generate_batched(
     eng = Engine(runtime, EngineOptions(
         max_batch=len(prompts), depth=depth, use_mtp=mtp, prefill_chunk=width * len(prompts),
         context=width + max_new_tokens, kv_bits=kv_bits, kv_group_size=kv_group_size, launch_ahead=not serial,
-        compact_rows=bool(compact_rows), detokenize=False))
+        compact_rows=bool(compact_rows), detokenize=False, first_token_at_prefill=False))
     reqs = []
     for i, p in enumerate(prompts):
         reqs.append(eng.submit(p, max_tokens=max_new_tokens, sampler=samplers[i], stop_token_ids=stop_ids,

@@ -34,6 +34,10 @@ class EngineOptions:
             (stop strings are refused), for callers that read token ids alone (fixed batches).
         compact_rows: drop finished rows once at most half of the batch decodes (False: only when every row has
             finished; `scheduler.needs_rebuild`). The engine's `compact_rows` attribute starts from it.
+        first_token_at_prefill: a request's first token goes out as soon as its prefill gives it (time to first
+            token: the prefill); False reads it only after the batch it joins is built and that batch's first
+            cycle launched, so the device does not wait for the host in between, for callers that read no
+            token early (fixed batches). Same tokens either way.
     """
 
     max_batch: int = 8
@@ -51,6 +55,7 @@ class EngineOptions:
     launch_ahead: bool = True
     compact_rows: bool = True
     detokenize: bool = True
+    first_token_at_prefill: bool = True
 
     @classmethod
     def given(cls, options: EngineOptions | None, settings: Mapping[str, Any]) -> EngineOptions:

@@ -178,10 +178,12 @@ class PrefillPhase:
 
     def _defers(self, r: RowRecord) -> bool:
         """Whether r's first token is read only once its batch's first cycle is launched (`_deliver_firsts`),
-        not at the end of its prefill: the host then builds that batch while the device runs the prefill. Not
-        with a prefix cache (it stores the prompt with the token), a constraint (its grammar takes the token
-        first) or a cap of one token (the request ends with it, never joining a batch)."""
-        return self.prefix.max_bytes <= 0 and r.constraint is None and r.max_tokens > 1
+        not at the end of its prefill: the host then builds that batch while the device runs the prefill.
+        Only where no one reads the token sooner (`EngineOptions.first_token_at_prefill` False), and not with
+        a prefix cache (it stores the prompt with the token), a constraint (its grammar takes the token first)
+        or a cap of one token (the request ends with it, never joining a batch)."""
+        return (not self.options.first_token_at_prefill and self.prefix.max_bytes <= 0 and r.constraint is None
+                and r.max_tokens > 1)
 
     def _finish_prefill(self, r: RowRecord, cyc: Cycle, tokens: mx.array, info: Any,
                         grouped: tuple[Rows, int] | None = None, packed_lp: Any = None, x0: int | None = None
