@@ -94,8 +94,8 @@ def main() -> None:
                        "decode_rounds": per_dec.tolist(), "same_tokens": same}
                 rows.append(row)
                 print(f"| {label} | {batch} | {'MTP K=' + str(k) if mtp else 'plain'} | {row['reference_tps']:.1f} | "
-                      f"{row['engine_tps']:.1f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} | {row['decode_ratio']:.2f} | "
-                      f"{dlow:.2f}-{dhigh:.2f} | {'yes' if same else 'NO'} |",
+                      f"{row['engine_tps']:.1f} | {row['ratio']:.2f} | {low:.2f}-{high:.2f} | "
+                      f"{row['decode_ratio']:.2f} | {dlow:.2f}-{dhigh:.2f} | {'yes' if same else 'NO'} |",
                       flush=True)
     if args.json:
         with open(args.json, "w") as f:

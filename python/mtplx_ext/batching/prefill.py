@@ -197,7 +197,8 @@ class PrefillPhase:
         if grouped is None:
             if not defer:  # the prompt's positions, its last one's pair with x0
                 self.prefix.store(r.prompt + [x0], cyc.caches())
-            r.row, r.row_index, packed_lp = Rows.prefilled(cyc, tokens, info, wait=not defer), None, cyc.prefill_logprobs
+            r.row, r.row_index = Rows.prefilled(cyc, tokens, info, wait=not defer), None
+            packed_lp = cyc.prefill_logprobs
         else:  # (its prompt is stored with its reply when it finishes)
             r.row, r.row_index = grouped
         # The stream's own step count: its first verification (or plain pick) is step 1 (2) of a decode alone.
