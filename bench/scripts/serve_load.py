@@ -114,6 +114,14 @@ def run_load(base: str, model: str, conc: int, n: int, tokens: int) -> dict:
     }
 
 
+def depths_held(base: str) -> dict | None:
+    """The server's K per batch size now (`/metrics.json`), or None where it does not say."""
+    try:
+        return httpx.get(base + "/metrics.json", timeout=5).json().get("depth_per_batch_size")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def vs_best(tps: dict[str, list[float]], resamples: int = 2000) -> dict:
     """The default server ("mtp") against the best other server, with a bootstrap interval.
 
@@ -175,6 +183,8 @@ def main() -> None:
             for i, c in enumerate(concs):
                 for name in servers:
                     row = run_load(bases[name], models[name], c, a.requests, a.tokens)
+                    if name == "mtp":  # the K per batch size the default holds after the round
+                        row["depth_per_batch_size"] = depths_held(bases[name])
                     rounds[name][i].append(row)
                     print(name, f"round {rep + 1}", json.dumps(row), flush=True)
     finally:

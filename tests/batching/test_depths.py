@@ -11,6 +11,7 @@ stays lossless.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from _greedy import check_stream, reference
 from _playout import play, simulated_tokens_per_s
@@ -192,6 +193,58 @@ def test_k_climbs_by_timed_steps_where_the_calibration_is_short_of_the_served_co
     monkeypatch.setattr(depths.BatchDepths, "deepest_run", lambda self, b: 10)
     k_trusting, _ = run()
     assert k_trusting >= 4 and played[k_trusting] < played[k], (k_trusting, k, played)
+
+
+def _timed(d: depths.BatchDepths, k: int, seconds: float, cycles: int) -> None:
+    """`cycles` decode-only steps of one stream at K = k, each timed at `seconds`, each a cycle the depths see."""
+    for _ in range(cycles):
+        d.time(1, k, seconds)
+        d.observe([0], [0], 1, k)  # no drafts reached: only the cycle count moves
+
+
+def _one_size(rng) -> tuple[depths.BatchDepths, DepthCosts]:
+    calibrated = {str(k): float(t) for k, t in enumerate(np.cumsum(rng.uniform(0.05, 0.2, 6)) + 1.0)}
+    costs = DepthCosts(batch=1, cycle_s=calibrated, acceptance=[0.9] * 5)
+    return depths.BatchDepths({1: 3}, costs={1: costs}), costs
+
+
+@pytest.mark.parametrize("stale", [depths.STALE_CYCLES, float("inf")], ids=["stale", "broken-never-stale"])
+def test_a_k_timed_slow_counts_its_calibration_again_once_its_timing_is_stale(rng, monkeypatch, stale):
+    # K = 4 timed while the machine was slow (the first steps after start), then K = 3 timed at its calibrated
+    # cost plus host work h. While fresh, K = 4's cost is the slow time; once stale, its calibration plus h
+    # (the engine may try it again). A variant whose timings never go stale keeps the slow time for good.
+    window = depths.STALE_CYCLES
+    monkeypatch.setattr(depths, "STALE_CYCLES", stale)
+    d, costs = _one_size(rng)
+    h, slow = float(rng.uniform(0.1, 0.3)), float(rng.uniform(2.0, 3.0))
+    _timed(d, 4, slow * costs.cycle_s["4"], depths.OVERHEAD_CYCLES)
+    _timed(d, 3, costs.cycle_s["3"] + h, window // 2)
+    assert d.served_costs(1).cycle_s["4"] == pytest.approx(slow * costs.cycle_s["4"])
+    _timed(d, 3, costs.cycle_s["3"] + h, window // 2 + 1)
+    got = d.served_costs(1).cycle_s["4"]
+    if stale == window:
+        # Host work's running estimate: every sample since K = 3 ran is h, the earlier ones decayed by then.
+        assert got == pytest.approx(costs.cycle_s["4"] + h, rel=1e-3), (got, costs.cycle_s["4"], h)
+    else:
+        assert got == pytest.approx(slow * costs.cycle_s["4"])
+
+
+@pytest.mark.parametrize("outlier", [depths.OUTLIER, float("inf")], ids=["clipped", "broken-unclipped"])
+def test_one_stalled_step_moves_a_ks_served_time_by_a_bounded_amount(rng, monkeypatch, outlier):
+    # A step timed at 20-100x its K's running time (a collection, the machine's other work) counts as OUTLIER
+    # times it: the estimate moves by at most (OUTLIER - 1) / OVERHEAD_CYCLES of itself, not by the stall / 32.
+    clip = depths.OUTLIER
+    monkeypatch.setattr(depths, "OUTLIER", outlier)
+    d, costs = _one_size(rng)
+    t = costs.cycle_s["3"] + float(rng.uniform(0.1, 0.3))
+    _timed(d, 3, t, 8)
+    _timed(d, 3, float(rng.uniform(20, 100)) * t, 1)
+    moved = d.served_costs(1).cycle_s["3"] / t - 1
+    bound = (clip - 1) / depths.OVERHEAD_CYCLES
+    if outlier == clip:
+        assert 0 < moved <= bound * (1 + 1e-9), (moved, bound)
+    else:
+        assert moved > 10 * bound, (moved, bound)
 
 
 @pytest.fixture

@@ -215,7 +215,7 @@ def test_the_running_acceptance_starts_at_the_calibration_and_follows_what_decod
     follows = autodepth.RunningAcceptance(prior)
     frozen = autodepth.RunningAcceptance(prior, half_life=float("inf"))
     totals = ([0, 0], [0, 0])
-    for rate, n in ((0.05, 2000), (0.95, int(5 * autodepth.HALF_LIFE))):
+    for rate, n in ((0.05, int(8 * autodepth.HALF_LIFE)), (0.95, int(5 * autodepth.HALF_LIFE))):
         for _ in range(n // 10):
             play(*totals, 10, 2, [rate, rate], rng)
             follows.observe(*totals)

@@ -46,6 +46,13 @@ CHECK_EVERY = 16
 HYSTERESIS = 0.1
 #: Steps the running estimate of a cycle's host overhead averages over (`BatchDepths.time`).
 OVERHEAD_CYCLES = 32
+#: A step timed over this many times its K's running step time counts as this many times it: a stall (a
+#: collection, the machine's other work) moves the estimate by at most OUTLIER / OVERHEAD_CYCLES of itself.
+OUTLIER = 1.5
+#: A K's served step time older than this many cycles no longer counts: its cost is again the calibration's
+#: plus the running host work. A K timed while the machine was slow (the first steps after start, other
+#: work) would otherwise keep the engine off it for good.
+STALE_CYCLES = 512
 
 
 def depth_for(depths: dict[int, int], rows: int) -> int:
@@ -97,8 +104,10 @@ class BatchDepths:
         self._cycles = 0
         #: Per calibrated size, the running estimate of each cycle's host work beyond its measured cost.
         self.overhead_s: dict[int, float] = {}
-        #: Per (calibrated size, K), the running wall time of a step that only decoded at that K.
+        #: Per (calibrated size, K), the running wall time of a step that only decoded at that K,
         self.step_s: dict[tuple[int, int], float] = {}
+        #: and the cycle it was last updated at.
+        self.timed_at: dict[tuple[int, int], int] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -161,23 +170,27 @@ class BatchDepths:
         b = min(fits) if fits else max(self.costs)
         if str(k) not in self.costs[b].cycle_s:
             return
-        sample = max(float(seconds) - cycle_cost(self.costs[b], k), 0.0)
-        old = self.overhead_s.get(b)
-        self.overhead_s[b] = sample if old is None else old + (sample - old) / OVERHEAD_CYCLES
         old = self.step_s.get((b, k))
-        self.step_s[(b, k)] = float(seconds) if old is None else old + (float(seconds) - old) / OVERHEAD_CYCLES
+        seconds = float(seconds) if old is None else min(float(seconds), OUTLIER * old)
+        sample = max(seconds - cycle_cost(self.costs[b], k), 0.0)
+        prev = self.overhead_s.get(b)
+        self.overhead_s[b] = sample if prev is None else prev + (sample - prev) / OVERHEAD_CYCLES
+        self.step_s[(b, k)] = seconds if old is None else old + (seconds - old) / OVERHEAD_CYCLES
+        self.timed_at[(b, k)] = self._ticks
 
     def deepest_run(self, b: int) -> int:
         """The deepest K whose steps size `b` has timed (its current K where none is)."""
         return max([k for (size, k) in self.step_s if size == b] + [self.depths.get(b, 0)])
 
     def served_costs(self, b: int) -> DepthCosts:
-        """Size `b`'s cycle costs as served: a K's running step time where the engine has run it, else its
+        """Size `b`'s cycle costs as served: a K's running step time where the engine has run it lately
+        (`STALE_CYCLES`), else its
         calibrated cost plus the running host work (`time`). The calibration of a deep K on a compute-bound
         batch can be short of what the engine's steps take (the grown model at 8 streams: K = 4 calibrated
         189 ms, served 222 ms), and a K picked on it would keep running."""
         c, h = self.costs[b], self.overhead_s.get(b, 0.0)
-        served = {k: self.step_s.get((b, int(k)), t + h) for k, t in c.cycle_s.items()}
+        fresh = {key: t for key, t in self.step_s.items() if self._ticks - self.timed_at[key] <= STALE_CYCLES}
+        served = {k: fresh.get((b, int(k)), t + h) for k, t in c.cycle_s.items()}
         return DepthCosts(batch=c.batch, cycle_s=served, acceptance=c.acceptance)
 
 

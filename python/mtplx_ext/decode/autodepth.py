@@ -111,7 +111,7 @@ def choose_depth(costs: DepthCosts, acceptance: Sequence[float] | None = None,
 #: Pseudo-observations of the calibration's acceptance at each draft position: the running estimate's prior.
 PRIOR_WEIGHT = 8.0
 #: Stream-cycles after which an observation counts half: the estimate follows a workload that changes.
-HALF_LIFE = 128.0
+HALF_LIFE = 512.0
 
 
 class RunningAcceptance:
