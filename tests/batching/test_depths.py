@@ -17,7 +17,7 @@ from _greedy import check_stream, reference
 from _playout import play, simulated_tokens_per_s
 
 import mtplx_ext
-from mtplx_ext.batching import depths
+from mtplx_ext.batching import depth_trials, depths
 from mtplx_ext.decode import autodepth
 from mtplx_ext.decode.autodepth import DepthCosts
 from mtplx_ext.shipped import SHIPPED_MODEL
@@ -60,20 +60,27 @@ def test_k_leaves_the_calibrations_choice_for_what_the_served_text_accepts(rng):
     assert moved and new < k and played[new] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (
         low, new, played)
     # Back to text the head guesses well: K goes deep again.
-    moved, totals = _feed(d, rng, 0.97, 16 * depths.CHECK_EVERY, 2, new, totals)
+    moved, totals = _feed(d, rng, 0.97, 32 * depths.CHECK_EVERY, 2, new, totals)
     assert moved and d(2) >= 3
 
 
 def _moves(d: depths.BatchDepths, costs: DepthCosts, rng, acc: float, cycles: int) -> list[float]:
-    """Plays `cycles` one-row cycles at the running K; the predicted gain of every move K made."""
+    """Plays `cycles` one-row cycles at the running K; for every move K made, the gain predicted when its trial
+    began (`depth_trials`: a move is tried before it is made)."""
     reached, accepted, k, gains = [0, 0], [0, 0], d(1), []
+    incumbent, trial, predicted = k, None, 0.0
     for _ in range(cycles):
         play(reached, accepted, 1, k, [acc] * k, rng)
         if d.observe(reached, accepted, 1, k):
+            k = d(1)
+        if d.trial is not None and d.trial is not trial:
             est = d.running.estimate()
-            new = d(1)
-            gains.append(autodepth.tokens_per_s(costs, new, est) / autodepth.tokens_per_s(costs, k, est))
-            k = new
+            predicted = (autodepth.tokens_per_s(costs, d.trial.challenger, est)
+                         / autodepth.tokens_per_s(costs, d.trial.incumbent, est))
+        trial = d.trial
+        if trial is None and k != incumbent:
+            gains.append(predicted)
+            incumbent = k
     return gains
 
 
@@ -83,11 +90,12 @@ def test_k_moves_only_for_a_predicted_gain_over_the_hysteresis(rng, monkeypatch)
     c2 = (1 + a + a * a) / (1 + a)  # K = 2 exactly as fast as K = 1 at acceptance a
     costs = DepthCosts(batch=1, cycle_s={"0": 0.9, "1": 1.0, "2": c2}, acceptance=[a, a])  # plain far behind
     gains = _moves(depths.BatchDepths({1: 2}, costs={1: costs}), costs, rng, a, 3000)
-    assert all(g >= 1 + depths.HYSTERESIS for g in gains), gains
+    least = 1 + depths.HYSTERESIS
+    assert all(g >= least for g in gains), gains
     # Without the hysteresis K flaps on the estimate's noise (the rule above would catch it).
     monkeypatch.setattr(depths, "HYSTERESIS", 0.0)
     flaps = _moves(depths.BatchDepths({1: 2}, costs={1: costs}), costs, rng, a, 3000)
-    assert len(flaps) > len(gains) and any(g < 1.03 for g in flaps), (gains, flaps)
+    assert len(flaps) > len(gains) and any(g < least for g in flaps), (gains, flaps)
 
 
 def test_host_work_each_cycle_moves_k_where_it_pays_with_that_work(rng):
@@ -161,8 +169,9 @@ def test_k_climbs_by_timed_steps_where_the_calibration_is_short_of_the_served_co
     slower = float(rng.uniform(1.25, 1.4))  # served / calibrated for K >= 3
     served = {k: t * (slower if int(k) >= 3 else 1.0) for k, t in calibrated.items()}
     # At a = 0.88 the calibration puts K = 4 only 9 % ahead of K = 1, inside the hysteresis: the variant that
-    # trusts it would stay at K = 1 too, and the test could not tell the two apart. From a = 0.90 it is 13 %.
-    a = float(rng.uniform(0.90, 0.93))
+    # trusts it would stay at K = 1 too, and the test could not tell the two apart. At a = 0.90 it is 13 %,
+    # which the running estimate's noise still takes under the hysteresis now and then; from 0.92, 18 %.
+    a = float(rng.uniform(0.92, 0.95))
     prior = [0.8, 0.77, 0.89, 0.75, 0.82]
     costs = {1: DepthCosts(batch=1, cycle_s={str(k): 0.05 + 0.003 * k for k in range(6)}, acceptance=prior),
              8: DepthCosts(batch=8, cycle_s=calibrated, acceptance=prior)}
@@ -189,8 +198,16 @@ def test_k_climbs_by_timed_steps_where_the_calibration_is_short_of_the_served_co
 
     k, deepest = run()
     assert played[k] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (k, deepest, played)
-    # Without the climb limit of timed steps (only the positions seen): K = 4 or deeper, and it stays.
+    # Each guard alone keeps K off the deep K the calibration flatters: without the climb limit of timed steps
+    # (only the positions seen) the trials of the deep moves reject them,
     monkeypatch.setattr(depths.BatchDepths, "deepest_run", lambda self, b: 10)
+    k_unlimited, _ = run()
+    assert played[k_unlimited] >= max(played.values()) / (1 + depths.HYSTERESIS) * 0.98, (k_unlimited, played)
+    # and trusting the calibration (moves made as predicted, untried, on costs that ignore the timed steps):
+    # K = 4 or deeper, and it stays.
+    monkeypatch.setattr(depth_trials.DepthTrial, "done", lambda self: True)
+    monkeypatch.setattr(depth_trials.DepthTrial, "timed", lambda self: False)
+    monkeypatch.setattr(depths, "STALE_CYCLES", -1)
     k_trusting, _ = run()
     assert k_trusting >= 4 and played[k_trusting] < played[k], (k_trusting, k, played)
 
@@ -245,6 +262,49 @@ def test_one_stalled_step_moves_a_ks_served_time_by_a_bounded_amount(rng, monkey
         assert 0 < moved <= bound * (1 + 1e-9), (moved, bound)
     else:
         assert moved > 10 * bound, (moved, bound)
+
+
+def _noisy_machine_run(rng, costs: DepthCosts, served: dict[int, float], a: float, cycles: int = 3000
+                       ) -> tuple[depths.BatchDepths, list[int]]:
+    """One stream from K = 2 on a machine that runs 2-3x slower in stretches of 30-60 cycles: the depths and the
+    K of every cycle."""
+    d = depths.BatchDepths({1: 2}, costs={1: costs})
+    reached, accepted, k, switched = [0] * 3, [0] * 3, d(1), False
+    slow, stretch_end, ks = 1.0, 0, []
+    for cycle in range(cycles):
+        if cycle >= stretch_end:
+            slow = 1.0 if slow > 1.0 else float(rng.uniform(2.0, 3.0))
+            stretch_end = cycle + int(rng.integers(30, 61))
+        play(reached, accepted, 1, k, [a] * k, rng)
+        if not switched:  # the engine does not time the step that recomposed the batch
+            d.time(1, k, served[k] * slow * float(rng.uniform(0.9, 1.1)))
+        ks.append(k)
+        switched = d.observe(reached, accepted, 1, k)
+        if switched:
+            k = d(1)
+    return d, ks
+
+
+def test_a_move_the_timings_contradict_is_tried_and_not_made_on_a_noisy_machine(rng, monkeypatch):
+    # The calibration has K = 3 cheap: predicted 13 % ahead of K = 2. Served, K = 3 costs more and K = 2 is
+    # ahead by about 12 %; the machine runs 2-3x slower in stretches of time (other processes). A move is tried
+    # in alternating blocks first, so K stays at 2 but for a trial every `STALE_CYCLES` cycles or so. (A trial
+    # the noise decides wrongly, about 1 in 2000, is tried again after `STALE_CYCLES`: the bound allows one.)
+    a = 0.8
+    costs = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 1.2, "2": 1.4, "3": 1.5}, acceptance=[a] * 3)
+    served = {0: 1.0, 1: 1.2, 2: 1.4, 3: 1.9}
+    truth = DepthCosts(batch=1, cycle_s={str(k): t for k, t in served.items()}, acceptance=[a] * 3)
+    played = {K: simulated_tokens_per_s(truth, [a] * 3, K, rng, cycles=20000) for K in range(4)}
+    assert max(played, key=played.get) == 2, played
+    d, ks = _noisy_machine_run(rng, costs, served, a)
+    assert ks.count(3) / len(ks) < 0.3, (ks.count(3) / len(ks), d.lost)
+    # Moves made as predicted (untried) go to K = 3 and mostly keep it: its timed steps there are read against
+    # a K = 2 it no longer times. One run in about 50 comes back early: over eight runs, a mean under 0.4 has
+    # a chance of about 1e-6 (resampled from 300 runs of this variant).
+    monkeypatch.setattr(depth_trials.DepthTrial, "done", lambda self: True)
+    monkeypatch.setattr(depth_trials.DepthTrial, "timed", lambda self: False)
+    at3 = [ks.count(3) / len(ks) for ks in (_noisy_machine_run(rng, costs, served, a)[1] for _ in range(8))]
+    assert float(np.mean(at3)) > 0.4, at3
 
 
 @pytest.fixture

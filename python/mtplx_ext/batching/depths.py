@@ -25,13 +25,14 @@ Greedy tokens never depend on K, and sampled decoding is exact at every K.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
 from mtplx_ext._checks import MAX_DRAFTS, as_int
 from mtplx_ext.batching.admission import decode_mode
+from mtplx_ext.batching.depth_trials import DepthTrial
 from mtplx_ext.decode.autodepth import AUTO, DepthCosts, RunningAcceptance, choose_depth, cycle_cost, tokens_per_s
 from mtplx_ext.decode.generate import auto_costs
 
@@ -62,10 +63,11 @@ def depth_for(depths: dict[int, int], rows: int) -> int:
 
 
 def pick_depth(costs: DepthCosts, acceptance: Sequence[float] | None, current: int | None,
-               cap: int | None = None) -> int:
+               cap: int | None = None, exclude: Collection[int] = ()) -> int:
     """A batch size's K >= 0 for `acceptance` (None: the calibration's), at most `cap` (or `current`, if
-    deeper), moving from `current` only for a predicted gain of at least `HYSTERESIS`."""
-    among = None if cap is None else [k for k in costs.depths() if k <= cap or k == current]
+    deeper) and none of `exclude` (but `current`), moving from `current` only for a predicted gain of at
+    least `HYSTERESIS`."""
+    among = [k for k in costs.depths() if k == current or ((cap is None or k <= cap) and k not in exclude)]
     best = choose_depth(costs, acceptance, among)
     if current is None or current == best or str(current) not in costs.cycle_s:
         return best
@@ -108,6 +110,12 @@ class BatchDepths:
         self.step_s: dict[tuple[int, int], float] = {}
         #: and the cycle it was last updated at.
         self.timed_at: dict[tuple[int, int], int] = {}
+        #: The move being tried (`depth_trials`), and per (size, K) the cycle a K lost a trial at.
+        self.trial: DepthTrial | None = None
+        self.lost: dict[tuple[int, int], int] = {}
+        #: Per size, the K a challenger beat and the cycle it did: tried again once `STALE_CYCLES` have passed,
+        #: should the prediction never propose it (a trial the noise decided would otherwise stand for good).
+        self.recheck: dict[int, tuple[int, int]] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -132,14 +140,24 @@ class BatchDepths:
     def observe(self, reached: Sequence[int], accepted: Sequence[int], rows: int, k: int) -> bool:
         """Takes the engine's running draft totals after a cycle of `rows` rows at K = `k`.
 
+        Every `CHECK_EVERY` cycles that drafted (or ran at K = 0) it predicts
+        the running size's best K; a move is tried first (`depth_trials`)
+        and made only where the trial's timed steps confirm it. Sizes not
+        running keep their K until they run.
+
         Returns:
             True when the running batch should change K now (the engine recomposes it).
         """
         self._ticks += 1
         if self.running is None:
             return False
+        drafted = self.running.observe(reached, accepted)
+        size = self._size(max(self._sizes(), default=rows))
+        if self.trial is not None:
+            self._trial_cycle(size, k)
+            return depth_for(self.depths, max(self._sizes(), default=rows)) != k
         # A cycle at K = 0 drafts nothing to learn from, but its host work (`time`) may still move K off 0.
-        if not self.running.observe(reached, accepted) and k != 0:
+        if not drafted and k != 0:
             return False
         self._cycles += 1
         if self._cycles % CHECK_EVERY:
@@ -150,9 +168,42 @@ class BatchDepths:
         # calibration's until its steps are timed (`served_costs`); a jump on either (K = 1 to 4 at 8 streams on
         # the grown model, 0.74x plain) would need the hysteresis' gain to come back.
         seen = self.running.observed() + 1
-        self.depths = {b: pick_depth(self.served_costs(b), est, self.depths.get(b), min(seen, self.deepest_run(b) + 1))
-                       for b in self.costs}
+        current = self.depths.get(size)
+        lost = [kk for (b, kk), at in self.lost.items() if b == size and self._ticks - at <= STALE_CYCLES]
+        best = pick_depth(self.served_costs(size), est, current, min(seen, self.deepest_run(size) + 1), lost)
+        beaten, at = self.recheck.get(size, (None, 0))
+        if best == current and beaten is not None and self._ticks - at > STALE_CYCLES:
+            best = beaten
+            del self.recheck[size]
+        if current is None or best == current:
+            return False
+        self.trial = DepthTrial(size, current, best)
+        self.depths[size] = best
         return depth_for(self.depths, max(self._sizes(), default=rows)) != k
+
+    def _size(self, rows: int) -> int:
+        """The calibrated size whose K a batch of `rows` rows runs."""
+        fits = [b for b in self.depths if b >= rows]
+        return min(fits) if fits else max(self.depths)
+
+    def _trial_cycle(self, size: int, k: int) -> None:
+        """One cycle of the trial: the next block's K, the verdict at its end, or the trial dropped where the
+        load moved to another size or the batch does not run the trial's K."""
+        t = self.trial
+        assert t is not None and self.running is not None
+        if size != t.size or t.stuck():
+            self.depths[t.size], self.trial = t.incumbent, None
+            return
+        switched = t.cycle(k)
+        if t.done():
+            win = t.winner(self.running.estimate())
+            if t.timed():
+                self.lost[(t.size, t.incumbent if win == t.challenger else t.challenger)] = self._ticks
+                if win == t.challenger:
+                    self.recheck[t.size] = (t.incumbent, self._ticks)
+            self.depths[t.size], self.trial = win, None
+        elif switched:
+            self.depths[t.size] = t.k()
 
     def time(self, rows: int, k: int, seconds: float) -> None:
         """Takes the wall time of one engine step that only decoded (a cycle of `rows` rows at K = `k`).
@@ -170,6 +221,8 @@ class BatchDepths:
         b = min(fits) if fits else max(self.costs)
         if str(k) not in self.costs[b].cycle_s:
             return
+        if self.trial is not None and self.trial.size == b:
+            self.trial.record(k, seconds)
         old = self.step_s.get((b, k))
         seconds = float(seconds) if old is None else min(float(seconds), OUTLIER * old)
         sample = max(seconds - cycle_cost(self.costs[b], k), 0.0)
