@@ -307,6 +307,37 @@ def test_a_move_the_timings_contradict_is_tried_and_not_made_on_a_noisy_machine(
     assert float(np.mean(at3)) > 0.4, at3
 
 
+@pytest.mark.parametrize("explores", [True, False], ids=["explores", "broken-never-explores"])
+def test_a_k_the_calibration_overprices_is_found_by_trying_neighbours(rng, monkeypatch, explores):
+    # The calibration timed K = 2 in a slow moment (twice its served cost): it predicts K = 1 best, and K = 2
+    # is never proposed. Served, K = 2 is about 15 % ahead of K = 1. A size that has tried nothing for
+    # STALE_CYCLES cycles tries the neighbour predicted faster, here K = 2, and keeps it; a size that only
+    # tries predicted moves stays at K = 1 for good.
+    if not explores:
+        monkeypatch.setattr(depths.BatchDepths, "_unpredicted", lambda self, *args: None)
+    a = float(rng.uniform(0.75, 0.85))
+    served = {0: 1.0, 1: 1.3, 2: 1.3 * (1 + a + a * a) / (1 + a) / 1.15}
+    costs = DepthCosts(batch=1, cycle_s={"0": 1.0, "1": 1.3, "2": 2 * served[2]}, acceptance=[a, a])
+    truth = DepthCosts(batch=1, cycle_s={str(k): t for k, t in served.items()}, acceptance=[a, a])
+    played = {K: simulated_tokens_per_s(truth, [a, a], K, rng, cycles=20000) for K in range(3)}
+    assert max(played, key=played.get) == 2 and depths.pick_depth(costs, None, None) == 1, played
+    d = depths.BatchDepths({1: 1}, costs={1: costs})
+    reached, accepted, k, switched, ks = [0, 0], [0, 0], d(1), False, []
+    for _ in range(3 * depths.STALE_CYCLES):
+        play(reached, accepted, 1, k, [a] * k, rng)
+        if not switched:
+            d.time(1, k, served[k] * float(rng.uniform(0.9, 1.1)))
+        ks.append(k)
+        switched = d.observe(reached, accepted, 1, k)
+        if switched:
+            k = d(1)
+    late = ks[-depths.STALE_CYCLES:]
+    if explores:
+        assert late.count(2) / len(late) > 0.8, (late.count(2) / len(late), d.lost)
+    else:
+        assert 2 not in ks
+
+
 @pytest.fixture
 def missing_head(monkeypatch):
     """The shipped model (its own copy) calibrated at acceptance 0.99, so K = 5 pays, with a head that always

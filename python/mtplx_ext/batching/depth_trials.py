@@ -46,7 +46,8 @@ class DepthTrial:
     Attributes:
         size: the calibrated batch size whose K is tried.
         incumbent: the K running before the trial.
-        challenger: the K predicted faster.
+        challenger: the K to try: predicted faster, or not (`predicted` False: a K tried again, a neighbour
+            explored).
         cycles: cycles run at the trial's K so far.
         seen: cycles observed since the trial began (at any K: the engine may lag a switch by a cycle).
         samples: per block, the wall times of its timed steps.
@@ -55,6 +56,7 @@ class DepthTrial:
     size: int
     incumbent: int
     challenger: int
+    predicted: bool = True
     cycles: int = 0
     seen: int = 0
     samples: dict[int, list[float]] = field(default_factory=dict)
@@ -113,9 +115,9 @@ class DepthTrial:
 
     def winner(self, acceptance: Sequence[float]) -> int:
         """The challenger where the median ratio of the timed pairs is above 1 + `TRIAL_MARGIN`, else the
-        incumbent; the challenger where the steps were not timed."""
+        incumbent; where the steps were not timed, the challenger if it was predicted faster."""
         if not self.timed():
-            return self.challenger
+            return self.challenger if self.predicted else self.incumbent
         return self.challenger if float(np.median(self._ratios(acceptance))) > 1.0 + TRIAL_MARGIN else self.incumbent
 
 

@@ -11,14 +11,16 @@ a row keeps its uncommitted x0 whatever its batch's K.
 
 The acceptance of the text actually served, and what its steps take,
 decide too: the engine feeds the wall time of each step that only decoded
-to `BatchDepths.time` (a K's served cost replaces its calibration) and its
-running draft totals to `BatchDepths.observe`, which re-picks every size's K
-against the running estimate (`autodepth.RunningAcceptance`) every
-`CHECK_EVERY` cycles, moving only when the new K is predicted at least
-`HYSTERESIS` faster than the old one and at most one K past both the
-deepest it has timed at that size and the draft positions decoding has
-reached (beyond them cost and acceptance are guesses). The engine then recomposes its batch
-at the new K (rows keep or pad their drafts: `batch.fit_drafts`).
+to `BatchDepths.time` (a K's served cost replaces its calibration while
+fresh) and its running draft totals to `BatchDepths.observe`, which re-picks
+the running size's K against the running estimate
+(`autodepth.RunningAcceptance`) every `CHECK_EVERY` cycles. A K predicted at
+least `HYSTERESIS` faster than the running one, and at most one K past both
+the deepest it has timed at that size and the draft positions decoding has
+reached (beyond them cost and acceptance are guesses), is tried before it is
+made (`depth_trials`): the two run in alternating blocks and the timed
+steps decide. The engine recomposes its batch at each new K (rows keep or
+pad their drafts: `batch.fit_drafts`).
 Greedy tokens never depend on K, and sampled decoding is exact at every K.
 """
 
@@ -116,6 +118,8 @@ class BatchDepths:
         #: Per size, the K a challenger beat and the cycle it did: tried again once `STALE_CYCLES` have passed,
         #: should the prediction never propose it (a trial the noise decided would otherwise stand for good).
         self.recheck: dict[int, tuple[int, int]] = {}
+        #: Per size, the cycle its last trial began at.
+        self.tried_at: dict[int, int] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -167,19 +171,36 @@ class BatchDepths:
         # deeper drafts' acceptance is extrapolated from the shallow ones, and a deeper K's cost is the
         # calibration's until its steps are timed (`served_costs`); a jump on either (K = 1 to 4 at 8 streams on
         # the grown model, 0.74x plain) would need the hysteresis' gain to come back.
-        seen = self.running.observed() + 1
+        cap = min(self.running.observed() + 1, self.deepest_run(size) + 1)
         current = self.depths.get(size)
-        lost = [kk for (b, kk), at in self.lost.items() if b == size and self._ticks - at <= STALE_CYCLES]
-        best = pick_depth(self.served_costs(size), est, current, min(seen, self.deepest_run(size) + 1), lost)
-        beaten, at = self.recheck.get(size, (None, 0))
-        if best == current and beaten is not None and self._ticks - at > STALE_CYCLES:
-            best = beaten
-            del self.recheck[size]
-        if current is None or best == current:
+        if current is None:
             return False
-        self.trial = DepthTrial(size, current, best)
+        lost = [kk for (b, kk), at in self.lost.items() if b == size and self._ticks - at <= STALE_CYCLES]
+        best = pick_depth(self.served_costs(size), est, current, cap, lost)
+        predicted = best != current
+        if not predicted:
+            best = self._unpredicted(size, current, cap, lost, est)
+        if best is None or best == current:
+            return False
+        self.trial, self.tried_at[size] = DepthTrial(size, current, best, predicted), self._ticks
         self.depths[size] = best
         return depth_for(self.depths, max(self._sizes(), default=rows)) != k
+
+    def _unpredicted(self, size: int, current: int, cap: int, lost: Sequence[int], est: Sequence[float]
+                     ) -> int | None:
+        """A K to try that the prediction does not propose, or None: the K a won trial beat, once
+        `STALE_CYCLES` have passed (a trial the noise decided would otherwise stand for good); else, when the
+        size has tried nothing for `STALE_CYCLES` cycles, the neighbour of `current` predicted faster (a
+        calibration measured in a slow moment would otherwise keep the size off its best K for good)."""
+        beaten, at = self.recheck.get(size, (None, 0))
+        if beaten is not None and self._ticks - at > STALE_CYCLES:
+            del self.recheck[size]
+            return beaten
+        if self._ticks - self.tried_at.get(size, 0) <= STALE_CYCLES:
+            return None
+        costs = self.served_costs(size)
+        near = [kk for kk in (current - 1, current + 1) if 0 <= kk <= cap and str(kk) in costs.cycle_s and kk not in lost]
+        return max(near, key=lambda kk: tokens_per_s(costs, kk, est)) if near else None
 
     def _size(self, rows: int) -> int:
         """The calibrated size whose K a batch of `rows` rows runs."""
