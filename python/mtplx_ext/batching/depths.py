@@ -56,6 +56,8 @@ OUTLIER = 1.5
 #: plus the running host work. A K timed while the machine was slow (the first steps after start, other
 #: work) would otherwise keep the engine off it for good.
 STALE_CYCLES = 512
+#: Explorations of a size whose neighbours keep losing space out to this many times `STALE_CYCLES`.
+EXPLORE_MAX = 8
 
 
 def depth_for(depths: dict[int, int], rows: int) -> int:
@@ -118,8 +120,13 @@ class BatchDepths:
         #: Per size, the K a challenger beat and the cycle it did: tried again once `STALE_CYCLES` have passed,
         #: should the prediction never propose it (a trial the noise decided would otherwise stand for good).
         self.recheck: dict[int, tuple[int, int]] = {}
-        #: Per size, the cycle its last trial began at.
+        #: Per size, the cycle its last trial began at, and the cycles between two explorations
+        #: (`_unpredicted`): doubled, up to `EXPLORE_MAX` x `STALE_CYCLES`, each time one keeps the running K.
         self.tried_at: dict[int, int] = {}
+        self.explore_every: dict[int, int] = {}
+        #: Per (size, K), the cycle an exploration last tried K; per size, explorations lost in a row.
+        self.explored: dict[tuple[int, int], int] = {}
+        self.explore_losses: dict[int, int] = {}
 
     def freeze(self) -> None:
         """Keeps the calibration's K per batch size from now on (side-by-side measurements)."""
@@ -190,17 +197,23 @@ class BatchDepths:
                      ) -> int | None:
         """A K to try that the prediction does not propose, or None: the K a won trial beat, once
         `STALE_CYCLES` have passed (a trial the noise decided would otherwise stand for good); else, when the
-        size has tried nothing for `STALE_CYCLES` cycles, the neighbour of `current` predicted faster (a
-        calibration measured in a slow moment would otherwise keep the size off its best K for good)."""
+        size has tried nothing for `STALE_CYCLES` cycles (more after explorations that kept the running K:
+        `explore_every`), a neighbour of `current`, the two in turns (a calibration measured in a slow moment
+        would otherwise keep the size off its best K for good)."""
         beaten, at = self.recheck.get(size, (None, 0))
         if beaten is not None and self._ticks - at > STALE_CYCLES:
             del self.recheck[size]
             return beaten
-        if self._ticks - self.tried_at.get(size, 0) <= STALE_CYCLES:
+        if self._ticks - self.tried_at.get(size, 0) <= self.explore_every.get(size, STALE_CYCLES):
             return None
         costs = self.served_costs(size)
         near = [kk for kk in (current - 1, current + 1) if 0 <= kk <= cap and str(kk) in costs.cycle_s and kk not in lost]
-        return max(near, key=lambda kk: tokens_per_s(costs, kk, est)) if near else None
+        if not near:
+            return None
+        # The neighbour explored least lately (never first), the one predicted faster on a tie.
+        pick = min(near, key=lambda kk: (self.explored.get((size, kk), -1), -tokens_per_s(costs, kk, est)))
+        self.explored[(size, pick)] = self._ticks
+        return pick
 
     def _size(self, rows: int) -> int:
         """The calibrated size whose K a batch of `rows` rows runs."""
@@ -222,6 +235,12 @@ class BatchDepths:
                 self.lost[(t.size, t.incumbent if win == t.challenger else t.challenger)] = self._ticks
                 if win == t.challenger:
                     self.recheck[t.size] = (t.incumbent, self._ticks)
+                    self.explore_every[t.size], self.explore_losses[t.size] = STALE_CYCLES, 0
+                elif not t.predicted:  # both neighbours lost (they take turns): explore half as often
+                    self.explore_losses[t.size] = self.explore_losses.get(t.size, 0) + 1
+                    if self.explore_losses[t.size] % 2 == 0:
+                        every = 2 * self.explore_every.get(t.size, STALE_CYCLES)
+                        self.explore_every[t.size] = min(every, EXPLORE_MAX * STALE_CYCLES)
             self.depths[t.size], self.trial = win, None
         elif switched:
             self.depths[t.size] = t.k()
