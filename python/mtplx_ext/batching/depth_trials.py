@@ -37,6 +37,8 @@ MIN_PAIRS = 3
 #: The challenger must measure this much faster: the move costs a recomposition, and a near tie is more
 #: often the acceptance estimate's noise (both rates read it) than a real gain.
 TRIAL_MARGIN = 0.03
+#: ... and a challenger nothing predicted faster (a neighbour explored, a beaten K tried again) this much.
+UNPREDICTED_MARGIN = 0.06
 
 
 @dataclass
@@ -114,11 +116,13 @@ class DepthTrial:
         return sum(1 for b in range(TRIAL_BLOCKS - 1) if b in self.samples and b + 1 in self.samples) >= MIN_PAIRS
 
     def winner(self, acceptance: Sequence[float]) -> int:
-        """The challenger where the median ratio of the timed pairs is above 1 + `TRIAL_MARGIN`, else the
-        incumbent; where the steps were not timed, the challenger if it was predicted faster."""
+        """The challenger where the median ratio of the timed pairs is above 1 + `TRIAL_MARGIN` (+
+        `UNPREDICTED_MARGIN` where it was not predicted faster), else the incumbent; where the steps were not
+        timed, the challenger if it was predicted faster."""
         if not self.timed():
             return self.challenger if self.predicted else self.incumbent
-        return self.challenger if float(np.median(self._ratios(acceptance))) > 1.0 + TRIAL_MARGIN else self.incumbent
+        margin = TRIAL_MARGIN if self.predicted else UNPREDICTED_MARGIN
+        return self.challenger if float(np.median(self._ratios(acceptance))) > 1.0 + margin else self.incumbent
 
 
-__all__ = ["MIN_PAIRS", "TRIAL_BLOCK", "TRIAL_BLOCKS", "TRIAL_MARGIN", "DepthTrial"]
+__all__ = ["MIN_PAIRS", "TRIAL_BLOCK", "TRIAL_BLOCKS", "TRIAL_MARGIN", "UNPREDICTED_MARGIN", "DepthTrial"]
