@@ -120,11 +120,9 @@ class BatchDepths:
         #: Per size, the K a challenger beat and the cycle it did: tried again once `STALE_CYCLES` have passed,
         #: should the prediction never propose it (a trial the noise decided would otherwise stand for good).
         self.recheck: dict[int, tuple[int, int]] = {}
-        #: Per size, the cycle its last trial began at, and the cycles between two explorations
-        #: (`_unpredicted`): doubled, up to `EXPLORE_MAX` x `STALE_CYCLES`, each time one keeps the running K.
+        #: Per size, the cycle its last trial began at; per (size, K), the cycle an exploration last tried K;
+        #: per size, explorations lost in a row (`_unpredicted`).
         self.tried_at: dict[int, int] = {}
-        self.explore_every: dict[int, int] = {}
-        #: Per (size, K), the cycle an exploration last tried K; per size, explorations lost in a row.
         self.explored: dict[tuple[int, int], int] = {}
         self.explore_losses: dict[int, int] = {}
 
@@ -197,14 +195,16 @@ class BatchDepths:
                      ) -> int | None:
         """A K to try that the prediction does not propose, or None: the K a won trial beat, once
         `STALE_CYCLES` have passed (a trial the noise decided would otherwise stand for good); else, when the
-        size has tried nothing for `STALE_CYCLES` cycles (more after explorations that kept the running K:
-        `explore_every`), a neighbour of `current`, the two in turns (a calibration measured in a slow moment
-        would otherwise keep the size off its best K for good)."""
+        size has tried nothing for `STALE_CYCLES` cycles, a neighbour of `current`, the two in turns (a
+        calibration measured in a slow moment would otherwise keep the size off its best K for good). Each
+        time both neighbours have lost, explorations come half as often, down to one per `EXPLORE_MAX` x
+        `STALE_CYCLES` cycles."""
         beaten, at = self.recheck.get(size, (None, 0))
         if beaten is not None and self._ticks - at > STALE_CYCLES:
             del self.recheck[size]
             return beaten
-        if self._ticks - self.tried_at.get(size, 0) <= self.explore_every.get(size, STALE_CYCLES):
+        every = STALE_CYCLES * min(2 ** (self.explore_losses.get(size, 0) // 2), EXPLORE_MAX)
+        if self._ticks - self.tried_at.get(size, 0) <= every:
             return None
         costs = self.served_costs(size)
         near = [kk for kk in (current - 1, current + 1) if 0 <= kk <= cap and str(kk) in costs.cycle_s and kk not in lost]
@@ -234,13 +234,9 @@ class BatchDepths:
             if t.timed():
                 self.lost[(t.size, t.incumbent if win == t.challenger else t.challenger)] = self._ticks
                 if win == t.challenger:
-                    self.recheck[t.size] = (t.incumbent, self._ticks)
-                    self.explore_every[t.size], self.explore_losses[t.size] = STALE_CYCLES, 0
-                elif not t.predicted:  # both neighbours lost (they take turns): explore half as often
+                    self.recheck[t.size], self.explore_losses[t.size] = (t.incumbent, self._ticks), 0
+                elif not t.predicted:
                     self.explore_losses[t.size] = self.explore_losses.get(t.size, 0) + 1
-                    if self.explore_losses[t.size] % 2 == 0:
-                        every = 2 * self.explore_every.get(t.size, STALE_CYCLES)
-                        self.explore_every[t.size] = min(every, EXPLORE_MAX * STALE_CYCLES)
             self.depths[t.size], self.trial = win, None
         elif switched:
             self.depths[t.size] = t.k()
@@ -257,8 +253,7 @@ class BatchDepths:
         """
         if self.costs is None or self.running is None:
             return
-        fits = [b for b in self.costs if b >= rows]
-        b = min(fits) if fits else max(self.costs)
+        b = self._size(rows)
         if str(k) not in self.costs[b].cycle_s:
             return
         if self.trial is not None and self.trial.size == b:
@@ -277,10 +272,9 @@ class BatchDepths:
 
     def served_costs(self, b: int) -> DepthCosts:
         """Size `b`'s cycle costs as served: a K's running step time where the engine has run it lately
-        (`STALE_CYCLES`), else its
-        calibrated cost plus the running host work (`time`). The calibration of a deep K on a compute-bound
-        batch can be short of what the engine's steps take (the grown model at 8 streams: K = 4 calibrated
-        189 ms, served 222 ms), and a K picked on it would keep running."""
+        (`STALE_CYCLES`), else its calibrated cost plus the running host work (`time`). The calibration of a
+        deep K on a compute-bound batch can be short of what the engine's steps take (the grown model at 8
+        streams: K = 4 calibrated 189 ms, served 222 ms), and a K picked on it would keep running."""
         c, h = self.costs[b], self.overhead_s.get(b, 0.0)
         fresh = {key: t for key, t in self.step_s.items() if self._ticks - self.timed_at[key] <= STALE_CYCLES}
         served = {k: fresh.get((b, int(k)), t + h) for k, t in c.cycle_s.items()}
