@@ -108,6 +108,7 @@ class BatchDepths:
         if len(lengths) == 1 and 0 not in lengths:
             self.running = RunningAcceptance(np.mean([c.acceptance for c in costs.values()], axis=0))
         self._cycles = 0
+        self._last_k: int | None = None  # the K of the last cycle observed
         #: Per calibrated size, the running estimate of each cycle's host work beyond its measured cost.
         self.overhead_s: dict[int, float] = {}
         #: Per (calibrated size, K), the running wall time of a step that only decoded at that K,
@@ -160,7 +161,11 @@ class BatchDepths:
         self._ticks += 1
         if self.running is None:
             return False
-        drafted = self.running.observe(reached, accepted)
+        # The first cycle after K went up verified padded drafts past the old K (`batch.fit_drafts`): only the
+        # old K's positions count (a trial's switches would otherwise read as rejections of the deeper K).
+        upto = self._last_k if self._last_k is not None and k > self._last_k else None
+        self._last_k = k
+        drafted = self.running.observe(reached, accepted, upto)
         size = self._size(max(self._sizes(), default=rows))
         if self.trial is not None:
             self._trial_cycle(size, k)

@@ -141,11 +141,17 @@ class RunningAcceptance:
         out[:n] = np.asarray(counts[:n], dtype=np.float64)
         return out
 
-    def observe(self, reached: Sequence[int], accepted: Sequence[int]) -> bool:
-        """Takes running totals (a `DraftStats`'s `reached`, `accepted_at`); True when they moved."""
+    def observe(self, reached: Sequence[int], accepted: Sequence[int], upto: int | None = None) -> bool:
+        """Takes running totals (a `DraftStats`'s `reached`, `accepted_at`); True when they moved.
+
+        `upto`: only the first `upto` draft positions' counts since the last call are taken (the cycle after
+        a batch's K went up verifies padded drafts past its old K, which say nothing of the head).
+        """
         r, a = self._fit(reached), self._fit(accepted)
         dr, da = (r, a) if self._last is None else (r - self._last[0], a - self._last[1])
         self._last = (r, a)
+        if upto is not None:
+            dr[upto:], da[upto:] = 0.0, 0.0
         if dr[0] <= 0:
             return False
         decay = 0.5 ** (dr[0] / self.half_life)
