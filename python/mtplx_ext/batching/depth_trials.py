@@ -104,16 +104,15 @@ class DepthTrial:
             per_cycle = 1.0 if k == 0 else expected_tokens(acceptance, k)
             return per_cycle / float(np.median(self.samples[block]))
 
-        out = []
-        for b in range(TRIAL_BLOCKS - 1):
-            if b in self.samples and b + 1 in self.samples:
-                r = rate(b) / rate(b + 1)
-                out.append(r if b % 2 == 0 else 1.0 / r)
-        return out
+        return [rate(b) / rate(b + 1) if b % 2 == 0 else rate(b + 1) / rate(b) for b in self._pairs()]
+
+    def _pairs(self) -> list[int]:
+        """The first blocks of the neighbouring pairs whose blocks both have timed steps."""
+        return [b for b in range(TRIAL_BLOCKS - 1) if b in self.samples and b + 1 in self.samples]
 
     def timed(self) -> bool:
         """Whether the timed blocks can decide (`MIN_PAIRS`)."""
-        return sum(1 for b in range(TRIAL_BLOCKS - 1) if b in self.samples and b + 1 in self.samples) >= MIN_PAIRS
+        return len(self._pairs()) >= MIN_PAIRS
 
     def winner(self, acceptance: Sequence[float]) -> int:
         """The challenger where the median ratio of the timed pairs is above 1 + `TRIAL_MARGIN` (+

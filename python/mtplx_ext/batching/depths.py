@@ -166,10 +166,11 @@ class BatchDepths:
         upto = self._last_k if self._last_k is not None and k > self._last_k else None
         self._last_k = k
         drafted = self.running.observe(reached, accepted, upto)
-        size = self._size(max(self._sizes(), default=rows))
+        load = max(self._sizes(), default=rows)  # the rows whose size's K the batch runs
+        size = self._size(load)
         if self.trial is not None:
             self._trial_cycle(size, k)
-            return depth_for(self.depths, max(self._sizes(), default=rows)) != k
+            return depth_for(self.depths, load) != k
         # A cycle at K = 0 drafts nothing to learn from, but its host work (`time`) may still move K off 0.
         if not drafted and k != 0:
             return False
@@ -194,7 +195,7 @@ class BatchDepths:
             return False
         self.trial, self.tried_at[size] = DepthTrial(size, current, best, predicted), self._ticks
         self.depths[size] = best
-        return depth_for(self.depths, max(self._sizes(), default=rows)) != k
+        return depth_for(self.depths, load) != k
 
     def _unpredicted(self, size: int, current: int, cap: int, lost: Sequence[int], est: Sequence[float]
                      ) -> int | None:
@@ -281,8 +282,11 @@ class BatchDepths:
         deep K on a compute-bound batch can be short of what the engine's steps take (the grown model at 8
         streams: K = 4 calibrated 189 ms, served 222 ms), and a K picked on it would keep running."""
         c, h = self.costs[b], self.overhead_s.get(b, 0.0)
-        fresh = {key: t for key, t in self.step_s.items() if self._ticks - self.timed_at[key] <= STALE_CYCLES}
-        served = {k: fresh.get((b, int(k)), t + h) for k, t in c.cycle_s.items()}
+        def cost(k: int, calibrated: float) -> float:
+            fresh = (b, k) in self.step_s and self._ticks - self.timed_at[(b, k)] <= STALE_CYCLES
+            return self.step_s[(b, k)] if fresh else calibrated + h
+
+        served = {k: cost(int(k), t) for k, t in c.cycle_s.items()}
         return DepthCosts(batch=c.batch, cycle_s=served, acceptance=c.acceptance)
 
 
