@@ -3,6 +3,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
 
 #include "cpu/packed_gemm.h"
 #include "cpu/qgemm.h"
@@ -43,6 +44,29 @@ void bind_linear(nb::module_& m) {
       "x"_a,
       "wq"_a,
       "sb"_a,
+      "n"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "prefetch"_a = std::vector<mx::array>{},
+      "stream"_a = nb::none());
+  m.def(
+      "packed_quantized_rows",
+      &mtplx::packed_quantized_rows,
+      "wq"_a,
+      "sb"_a,
+      "ids"_a,
+      "n"_a,
+      "group_size"_a,
+      "bits"_a,
+      nb::kw_only(),
+      "stream"_a = nb::none());
+  m.def(
+      "packed_quantized_embedding",
+      &mtplx::packed_quantized_embedding,
+      "wq"_a,
+      "sb"_a,
+      "ids"_a,
       "n"_a,
       "group_size"_a,
       "bits"_a,

@@ -108,14 +108,14 @@ std::string set_packed_linear_isa(const std::string& isa) {
   return cpu::set_packed_gemm_isa(isa);
 }
 
-mx::array packed_quantized_linear(
-    const mx::array& x,
+namespace {
+
+// The packed weight's checks shared by the quantized ops; returns (P, G).
+std::pair<int, int> check_packed_quantized(
     const mx::array& wq,
     const mx::array& sb,
-    int n,
     int group_size,
-    int bits,
-    mx::StreamOrDevice s) {
+    int bits) {
   if (bits < 2 || bits > 8 || bits == 7) {
     bad_arg("bits must be 2, 3, 4, 5, 6 or 8, got " + std::to_string(bits));
   }
@@ -147,6 +147,21 @@ mx::array packed_quantized_linear(
         ", 2, " + std::to_string(kQPanel) + "] to match wq, got " +
         shape_str(sb.shape()));
   }
+  return {P, G};
+}
+
+} // namespace
+
+mx::array packed_quantized_linear(
+    const mx::array& x,
+    const mx::array& wq,
+    const mx::array& sb,
+    int n,
+    int group_size,
+    int bits,
+    const std::vector<mx::array>& prefetch,
+    mx::StreamOrDevice s) {
+  const auto [P, G] = check_packed_quantized(wq, sb, group_size, bits);
   check_n(n, P, kQPanel);
   if (x.dtype() != mx::float32 && x.dtype() != mx::float16 &&
       x.dtype() != mx::bfloat16) {
@@ -171,13 +186,112 @@ mx::array packed_quantized_linear(
         ? a
         : mx::contiguous(a, false, st);
   };
+  std::vector<mx::array> inputs = {x, dense(wq), dense(sb)};
+  if (!prefetch.empty()) {
+    const bool pair = prefetch.size() == 2;
+    if (!pair || prefetch[0].dtype() != mx::uint8 || prefetch[0].ndim() != 3 ||
+        prefetch[0].shape(0) < 1 || prefetch[0].size() == 0 ||
+        prefetch[1].ndim() != 4 ||
+        prefetch[1].shape(0) != prefetch[0].shape(0)) {
+      bad_arg(
+          "prefetch must be empty or the (wq, sb) pair of a packed weight: "
+          "uint8 [P, G, block] and [P, G, 2, 64]");
+    }
+    inputs.push_back(dense(prefetch[0]));
+    inputs.push_back(dense(prefetch[1]));
+  }
   auto shape = x.shape();
   shape.back() = n;
   return mx::array(
       shape,
       mx::promote_types(x.dtype(), sb.dtype()),
       std::make_shared<PackedQuantizedLinear>(st, n, group_size, bits),
-      {x, dense(wq), dense(sb)});
+      std::move(inputs));
+}
+
+
+namespace {
+
+std::vector<mx::array> quantized_rows(
+    const mx::array& wq,
+    const mx::array& sb,
+    const mx::array& ids,
+    int n,
+    int group_size,
+    int bits,
+    bool dequantize,
+    mx::StreamOrDevice s) {
+  const auto [P, G] = check_packed_quantized(wq, sb, group_size, bits);
+  check_n(n, P, kQPanel);
+  if (!mx::issubdtype(ids.dtype(), mx::integer)) {
+    bad_arg("ids must be an integer array");
+  }
+  auto st = mx::to_stream(s);
+  if (st.device.type == mx::Device::gpu) {
+    bad_arg(
+        "packed_quantized_rows runs on the CPU only (stream is a GPU stream)");
+  }
+  const auto dense = [&](const mx::array& a) {
+    return a.is_available() && a.flags().row_contiguous
+        ? a
+        : mx::contiguous(a, false, st);
+  };
+  const mx::array rows = ids.dtype() == mx::int32
+      ? dense(ids)
+      : mx::contiguous(mx::astype(ids, mx::int32, st), false, st);
+  auto prim =
+      std::make_shared<PackedQuantizedRows>(st, n, group_size, bits, dequantize);
+  std::vector<mx::array> in = {dense(wq), dense(sb), rows};
+  auto shapes = prim->output_shapes(in);
+  if (dequantize) {
+    return mx::array::make_arrays(shapes, {sb.dtype()}, prim, in);
+  }
+  return mx::array::make_arrays(
+      shapes, {mx::uint32, sb.dtype(), sb.dtype()}, prim, in);
+}
+
+} // namespace
+
+std::vector<mx::array> packed_quantized_rows(
+    const mx::array& wq,
+    const mx::array& sb,
+    const mx::array& ids,
+    int n,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  return quantized_rows(wq, sb, ids, n, group_size, bits, false, s);
+}
+
+mx::array packed_quantized_embedding(
+    const mx::array& wq,
+    const mx::array& sb,
+    const mx::array& ids,
+    int n,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s) {
+  return quantized_rows(wq, sb, ids, n, group_size, bits, true, s)[0];
+}
+
+std::vector<mx::Shape> PackedQuantizedRows::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const int G = inputs[0].shape(1);
+  auto shape = inputs[2].shape();
+  if (dequantize_) {
+    shape.push_back(G * group_size_);
+    return {shape};
+  }
+  auto gshape = shape;
+  shape.push_back(G * group_size_ * bits_ / 32);
+  gshape.push_back(G);
+  return {shape, gshape, gshape};
+}
+
+void PackedQuantizedRows::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  throw std::runtime_error("PackedQuantizedRows has no GPU kernel");
 }
 
 const char* packed_quantized_linear_isa() {

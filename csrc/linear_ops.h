@@ -42,10 +42,40 @@ std::string set_packed_linear_isa(const std::string& isa);
 // repacked as cpu/qgemm.h lays out: wq [P, G, S * 256] uint8 and sb [P, G,
 // 2, 64] (scales, biases). [..., n] in the promoted dtype of x and sb. Every
 // row's result is independent of the other rows of x. CPU streams only.
+// `prefetch`: empty, or (wq, sb) of the packed weight the model multiplies
+// by next, which the thread pool's idle worker streams toward the caches
+// once this product is done, while the ops between the two products run
+// (cpu::qgemm_prefetch_next); it changes no result.
 mx::array packed_quantized_linear(
     const mx::array& x,
     const mx::array& wq,
     const mx::array& sb,
+    int n,
+    int group_size,
+    int bits,
+    const std::vector<mx::array>& prefetch = {},
+    mx::StreamOrDevice s = {});
+
+// Rows `ids` (integers, any shape) of a weight packed as
+// packed_quantized_linear takes it, in MLX's affine format: (words uint32
+// [..., K * bits / 32], scales [..., G], biases [..., G]), bit for bit what
+// mx.quantize stored; only those rows are read (an embedding lookup). Ids
+// are clamped to [0, n). CPU streams only.
+std::vector<mx::array> packed_quantized_rows(
+    const mx::array& wq,
+    const mx::array& sb,
+    const mx::array& ids,
+    int n,
+    int group_size,
+    int bits,
+    mx::StreamOrDevice s = {});
+
+// The same rows' values [..., K] in sb's dtype, bit for bit
+// mx.dequantize of packed_quantized_rows' output, in one node.
+mx::array packed_quantized_embedding(
+    const mx::array& wq,
+    const mx::array& sb,
+    const mx::array& ids,
     int n,
     int group_size,
     int bits,

@@ -73,4 +73,49 @@ class PackedQuantizedLinear : public mx::UnaryPrimitive {
   int n_, group_size_, bits_;
 };
 
+// PackedQuantizedRows: rows `ids` of a weight packed by cpu/qgemm.h's layout
+// (an embedding lookup: only those rows are read). Inputs: wq [P, G, S *
+// 256] uint8, sb [P, G, 2, 64], ids (int32, any shape). Outputs: the rows in
+// MLX's affine format, words uint32 [..., K * bits / 32], scales and biases
+// [..., G] in sb's dtype, bit for bit what mx.quantize stored; or, with
+// `dequantize`, the rows' values [..., K] in sb's dtype, bit for bit what
+// mx.dequantize gives (q * s, rounded to the dtype, + b, rounded). An id
+// outside [0, n) reads row 0 or n - 1 (clamped, never out of bounds).
+class PackedQuantizedRows : public mx::Primitive {
+ public:
+  PackedQuantizedRows(
+      mx::Stream stream,
+      int n,
+      int group_size,
+      int bits,
+      bool dequantize)
+      : mx::Primitive(stream),
+        n_(n),
+        group_size_(group_size),
+        bits_(bits),
+        dequantize_(dequantize) {}
+
+  void eval_cpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mx::array>& inputs,
+      std::vector<mx::array>& outputs) override;
+
+  const char* name() const override {
+    return "PackedQuantizedRows";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const PackedQuantizedRows&>(other);
+    return n_ == o.n_ && group_size_ == o.group_size_ && bits_ == o.bits_ &&
+        dequantize_ == o.dequantize_;
+  }
+  std::vector<mx::Shape> output_shapes(
+      const std::vector<mx::array>& inputs) override;
+
+ private:
+  int n_, group_size_, bits_;
+  bool dequantize_;
+};
+
 } // namespace mtplx

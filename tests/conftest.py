@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -35,9 +37,12 @@ SESSION_SEED = _seed.session_seed()
 
 # Once, in the process that starts the workers (they and every subprocess inherit PATH): MLX's fused
 # kernels compile against a precompiled header (`_compiler_shim`).
+# The header's folder (about 100 MB) is removed when this process exits, after the workers.
 _PCH = None
 if not os.environ.get("PYTEST_XDIST_WORKER"):
-    _PCH = _compiler_shim.install(Path(tempfile.mkdtemp(prefix="mtplx-tests-pch-")))
+    _pch_dir = tempfile.mkdtemp(prefix="mtplx-tests-pch-")
+    atexit.register(shutil.rmtree, _pch_dir, ignore_errors=True)
+    _PCH = _compiler_shim.install(Path(_pch_dir))
 
 
 def pytest_report_header(config):

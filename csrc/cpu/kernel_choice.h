@@ -94,4 +94,9 @@ void parallel_panels(
     int parts,
     const std::function<void(int, int)>& f);
 
+// The runs parallel_panels(P, parts, ...) cuts, as bounds: run t is
+// [panel_run_bound(P, parts, t), panel_run_bound(P, parts, t + 1)); runs
+// 0 .. parts - 1 are the long ones (claimed first, one per thread).
+int panel_run_bound(int P, int parts, int t);
+
 } // namespace mtplx::cpu

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu/kernel_choice.h"
+#include "cpu/thread_pool.h"
 
 namespace mtplx::cpu {
 
@@ -68,9 +69,19 @@ constexpr int64_t kRowBlock = 64;
 constexpr int64_t kSplitBytes = 256 << 10;
 
 // Row i's groups: int8 values and their RowGroup (qgemm.h; xs the float
-// sum of x in order, c = 2^(bits - 1)). A group holding Inf or NaN gets
-// d = NaN, so that its outputs are NaN as the dequantized product's would
+// sum of x, c = 2^(bits - 1)). A group holding Inf or NaN gets d = NaN and
+// xq = 0, so that its outputs are NaN as the dequantized product's would
 // be, never a silent number.
+//
+// Written over kLanes independent lanes (lane l takes k = l mod kLanes) so
+// that the compiler vectorizes it on every target with one fixed order of
+// float operations: the max, the lane sums (added pairwise at the end) and
+// the rounding give the same bits everywhere. Rounding to the nearest
+// integer, ties to even: (v + 1.5 * 2^23) - 1.5 * 2^23, exact for |v| <
+// 2^22 (here |v| <= 127) in the default rounding mode, as nearbyint.
+constexpr int kLanes = 16;
+constexpr float kRound = 12582912.0f; // 1.5 * 2^23
+
 void quantize_row(
     const float* x,
     int K,
@@ -80,22 +91,43 @@ void quantize_row(
     qgemm_detail::RowGroup* rg) {
   const int c = 1 << (bits - 1);
   for (int g = 0, k0 = 0; k0 < K; ++g, k0 += group_size) {
-    float amax = 0.0f, sum = 0.0f;
-    bool finite = true;
-    for (int k = k0; k < k0 + group_size; ++k) {
-      finite = finite && std::isfinite(x[k]);
-      amax = std::max(amax, std::fabs(x[k]));
-      sum += x[k];
+    const float* xg = x + k0;
+    float amax[kLanes] = {}, sum[kLanes] = {}, nonfinite[kLanes] = {};
+    for (int k = 0; k < group_size; k += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float v = xg[k + l];
+        const float a = std::fabs(v);
+        amax[l] = amax[l] < a ? a : amax[l];
+        sum[l] += v;
+        nonfinite[l] += v * 0.0f; // NaN once any value is Inf or NaN
+      }
     }
-    const float inv = amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+    for (int w = kLanes / 2; w > 0; w /= 2) {
+      for (int l = 0; l < w; ++l) {
+        amax[l] = amax[l] < amax[l + w] ? amax[l + w] : amax[l];
+        sum[l] += sum[l + w];
+        nonfinite[l] += nonfinite[l + w];
+      }
+    }
+    const bool finite = nonfinite[0] == 0.0f;
+    const float inv = amax[0] > 0.0f && finite ? 127.0f / amax[0] : 0.0f;
+    int32_t qs[kLanes] = {};
+    int8_t* q = xq + k0;
+    for (int k = 0; k < group_size; k += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        const float v = (xg[k + l] * inv + kRound) - kRound;
+        const int32_t r = finite ? int32_t(v) : 0;
+        q[k + l] = int8_t(r);
+        qs[l] += r;
+      }
+    }
     int32_t qsum = 0;
-    for (int k = k0; k < k0 + group_size; ++k) {
-      xq[k] = int8_t(std::nearbyint(x[k] * inv));
-      qsum += xq[k];
+    for (int l = 0; l < kLanes; ++l) {
+      qsum += qs[l];
     }
-    rg[g].d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    rg[g].xs = sum;
-    rg[g].cxs = float(c) * sum;
+    rg[g].d = finite ? amax[0] / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    rg[g].xs = sum[0];
+    rg[g].cxs = float(c) * sum[0];
     rg[g].cq = c * qsum;
   }
 }
@@ -144,6 +176,27 @@ void qgemm(
         xq.data(), rg.data(), rows, K, G, group_size, wq, sb, N, y + b0 * N};
     parallel_panels(P, parts, [&](int p0, int p1) { fn(c, p0, p1); });
   }
+}
+
+void qgemm_prefetch_next(
+    const uint8_t* wq,
+    int P,
+    int64_t wq_bytes,
+    const void* sb,
+    int64_t sb_bytes,
+    int threads) {
+  if (threads < 2) {
+    return;
+  }
+  const int parts = wq_bytes >= kSplitBytes ? std::min(threads, P) : 1;
+  const int64_t per = wq_bytes / P;
+  const int64_t a = parts > 1 ? panel_run_bound(P, parts, 1) * per : 0;
+  const int64_t b = parts > 1 ? panel_run_bound(P, parts, 2) * per : wq_bytes;
+  prefetch_in_background(
+      {{wq + a, size_t(b - a)},
+       {wq, size_t(a)},
+       {wq + b, size_t(wq_bytes - b)},
+       {sb, size_t(sb_bytes)}});
 }
 
 } // namespace mtplx::cpu

@@ -66,8 +66,9 @@ inline int q_step_k(int bits) {
 // y [M, N] float32 (row stride N) = x [M, K] float32 @ W^T, W packed as
 // above. Splits the panels over up to `threads` threads when the weight is
 // large enough to pay. Requires K = G * group_size, group_size a multiple of
-// 8 with group_size * 255 * 127 < 2^24 (the integer sums convert to float
-// exactly), M >= 0 (the op checks them).
+// 16 (the activations' quantization runs over 16 lanes) with group_size *
+// 255 * 127 < 2^24 (the integer sums convert to float exactly), M >= 0 (the
+// op checks them: group sizes 32, 64 and 128).
 void qgemm(
     const float* x,
     int64_t M,
@@ -79,6 +80,20 @@ void qgemm(
     int group_size,
     int bits,
     float* y,
+    int threads);
+
+// Hands the thread pool's idle worker (prefetch_in_background) the packed
+// weight wq [P, G, block] / sb of the product that comes next, to stream
+// toward the caches while the ops between the two products run: first the
+// panels the worker itself will multiply (the second long run of
+// parallel_panels, which it claims first), then the rest. Needs no result
+// of anything; changes none.
+void qgemm_prefetch_next(
+    const uint8_t* wq,
+    int P,
+    int64_t wq_bytes,
+    const void* sb,
+    int64_t sb_bytes,
     int threads);
 
 // "avx512" (AVX-512 VNNI), "avx2", "generic": the kernel this CPU runs.

@@ -1,6 +1,7 @@
 // The CPU kernels' worker pool (see thread_pool.h).
 #include "cpu/thread_pool.h"
 #include "cpu/kernel_choice.h"
+#include "cpu/pool_chooser.h"
 
 #include <algorithm>
 #include <atomic>
@@ -203,10 +204,19 @@ class Pool {
       if (!stop_ && gen_ == seen) {
         // Jobs of a decode step (its GEMMs) come microseconds apart, less
         // than a wake-up through the condition variable costs: spin first.
+        // An idle worker meanwhile streams the weight the next job will
+        // read (prefetch_in_background), a few KiB between checks.
         lk.unlock();
-        spin_until([&] {
-          return published_.load(std::memory_order_acquire) != seen;
-        });
+        const auto until = std::chrono::steady_clock::now() + kSpin;
+        while (published_.load(std::memory_order_acquire) == seen) {
+          if (id == 0 && prefetch_some()) {
+            continue;
+          }
+          if (std::chrono::steady_clock::now() >= until) {
+            break;
+          }
+          spin_pause();
+        }
         lk.lock();
       }
       wake_.wait(lk, [&] { return stop_ || gen_ != seen; });
@@ -251,6 +261,51 @@ class Pool {
     }
   }
 
+  // Prefetches the next chunk of the pending background ranges, if any;
+  // whether some remain.
+  bool prefetch_some() {
+    const uint32_t want = pf_gen_.load(std::memory_order_acquire);
+    if (want != pf_seen_) {
+      std::lock_guard<std::mutex> lk(pf_m_);
+      pf_work_ = pf_ranges_;
+      pf_seen_ = pf_gen_.load(std::memory_order_relaxed);
+      pf_at_ = 0;
+      pf_off_ = 0;
+    }
+    for (int lines = 0; lines < kPrefetchLines && pf_at_ < pf_work_.size();) {
+      const PrefetchRange& r = pf_work_[pf_at_];
+      const char* p = static_cast<const char*>(r.begin);
+      for (; pf_off_ < r.bytes && lines < kPrefetchLines;
+           pf_off_ += 64, ++lines) {
+        __builtin_prefetch(p + pf_off_, 0, 2);
+      }
+      if (pf_off_ >= r.bytes) {
+        ++pf_at_;
+        pf_off_ = 0;
+      }
+    }
+    return pf_at_ < pf_work_.size();
+  }
+
+ public:
+  void request_prefetch(const std::vector<PrefetchRange>& ranges) {
+    {
+      std::lock_guard<std::mutex> lk(pf_m_);
+      pf_ranges_ = ranges;
+    }
+    pf_gen_.fetch_add(1, std::memory_order_release);
+  }
+
+ private:
+  static constexpr int kPrefetchLines = 64;
+  std::mutex pf_m_;
+  std::vector<PrefetchRange> pf_ranges_; // guarded by pf_m_
+  std::atomic<uint32_t> pf_gen_{0};
+  // Worker 0's copy and cursor (only it touches them).
+  std::vector<PrefetchRange> pf_work_;
+  uint32_t pf_seen_ = 0;
+  size_t pf_at_ = 0, pf_off_ = 0;
+
   std::mutex dispatch_; // one job at a time
   std::mutex m_; // guards everything below but the atomics
   std::condition_variable wake_;
@@ -265,74 +320,6 @@ class Pool {
   std::atomic<uint64_t> claim_{0}; // job generation << 32 | next task
   std::atomic<uint32_t> published_{0}; // gen_, readable without m_
   std::atomic<int> done_{0}; // tasks of the job finished
-};
-
-// Whether a job runs on the pool or on the caller's thread alone, decided
-// from measured outcomes. On a machine whose other cores are busy a worker
-// may sit preempted in the middle of a task while the caller, done with the
-// rest, waits for it, or share a core with the caller: a job can then take
-// longer on the pool than on one thread. Each job's wall time per unit of
-// its estimated cost is recorded for the way it ran; jobs mostly take the
-// way with the lower median pace over its last kWindow recorded jobs, in
-// cycles of 8 jobs (16 when one way is over 1.3x faster) that end with one
-// serial job, or with kBurst pooled jobs, to keep both measurements current.
-// A pooled job right after a serial one is not recorded: a worker core that
-// sat idle (on a virtual machine, possibly descheduled) wakes slowly, which
-// says nothing about back-to-back jobs. Until both ways have kWarmup
-// recorded jobs, jobs go pool, pool, serial, pool, pool, serial, ...
-class Chooser {
- public:
-  static constexpr int kWindow = 4;
-  static constexpr int kWarmup = 3;
-  static constexpr int kBurst = 3;
-
-  bool use_pool() {
-    std::lock_guard<std::mutex> lk(m_);
-    const long long job = jobs_++;
-    if (std::min(count_[0], count_[1]) < kWarmup) {
-      return job % 3 != 2;
-    }
-    const double serial = median(0), pooled = median(1);
-    const bool pool_better = pooled < serial;
-    const double ratio = pool_better ? serial / pooled : pooled / serial;
-    const int cycle = ratio > 1.3 ? 16 : 8;
-    const int pos = int(job % cycle);
-    return pool_better ? pos != cycle - 1 : pos >= cycle - kBurst;
-  }
-
-  void record(bool pooled, double pace) {
-    std::lock_guard<std::mutex> lk(m_);
-    const bool cold = pooled && !last_pooled_;
-    last_pooled_ = pooled;
-    if (cold) {
-      return;
-    }
-    const int m = pooled ? 1 : 0;
-    window_[m][count_[m] % kWindow] = pace;
-    ++count_[m];
-  }
-
-  void reset() {
-    std::lock_guard<std::mutex> lk(m_);
-    count_[0] = count_[1] = 0;
-    jobs_ = 0;
-    last_pooled_ = false;
-  }
-
- private:
-  double median(int m) const {
-    const int k = std::min(count_[m], kWindow);
-    double v[kWindow];
-    std::copy(window_[m], window_[m] + k, v);
-    std::sort(v, v + k);
-    return k % 2 ? v[k / 2] : 0.5 * (v[k / 2 - 1] + v[k / 2]);
-  }
-
-  std::mutex m_;
-  double window_[2][kWindow] = {};
-  int count_[2] = {0, 0};
-  long long jobs_ = 0;
-  bool last_pooled_ = false;
 };
 
 Chooser g_chooser;
@@ -420,6 +407,12 @@ void parallel_for_pooled(
   }
 }
 
+void prefetch_in_background(const std::vector<PrefetchRange>& ranges) {
+  if (cpu_threads_or_one() > 1) {
+    pool()->request_prefetch(ranges);
+  }
+}
+
 void parallel_for(
     int n,
     int threads,
@@ -457,19 +450,25 @@ void parallel_panels(
     f(0, P);
     return;
   }
-  const bool guided = P >= 3 * parts;
-  const int tasks = guided ? 3 * parts : P;
+  const int tasks = P >= 3 * parts ? 3 * parts : P;
+  parallel_for_pooled(tasks, parts, [&](int t) {
+    f(panel_run_bound(P, parts, t), panel_run_bound(P, parts, t + 1));
+  });
+}
+
+int panel_run_bound(int P, int parts, int t) {
+  if (parts <= 1) {
+    return t > 0 ? P : 0;
+  }
+  if (P < 3 * parts) {
+    return std::min(t, P);
+  }
+  const int tasks = 3 * parts;
   const int64_t head = int64_t(P) * 3 / 4;
-  const auto bound = [&](int t) -> int {
-    if (!guided) {
-      return t;
-    }
-    if (t <= parts) {
-      return int(head * t / parts);
-    }
-    return int(head + (P - head) * (t - parts) / (tasks - parts));
-  };
-  parallel_for_pooled(tasks, parts, [&](int t) { f(bound(t), bound(t + 1)); });
+  if (t <= parts) {
+    return int(head * t / parts);
+  }
+  return int(head + (P - head) * (std::min(t, tasks) - parts) / (tasks - parts));
 }
 
 } // namespace mtplx::cpu

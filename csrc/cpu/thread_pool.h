@@ -14,7 +14,9 @@
 // capped at kDefaultCpuThreadsCap. 1 runs every task on the calling thread.
 #pragma once
 
+#include <cstddef>
 #include <functional>
+#include <vector>
 
 namespace mtplx::cpu {
 
@@ -61,5 +63,18 @@ void parallel_for_pooled(
     int n,
     int threads,
     const std::function<void(int)>& f);
+
+// A range of memory for prefetch_in_background.
+struct PrefetchRange {
+  const void* begin;
+  size_t bytes;
+};
+
+// Asks the pool's first worker, while it waits for its next job, to stream
+// `ranges` toward the caches (prefetch instructions only: nothing is read,
+// nothing faults). A newer request replaces an unfinished one; a job
+// interrupts it within a few KiB and it resumes after. Best effort: nothing
+// happens on one thread or while the worker sleeps.
+void prefetch_in_background(const std::vector<PrefetchRange>& ranges);
 
 } // namespace mtplx::cpu

@@ -15,9 +15,12 @@ from mlx.utils import tree_flatten
 
 import mtplx_ext
 from mtplx_ext.models.packed_quantized import (
+    PackedQuantizedEmbedding,
     PackedQuantizedLinear,
     SharedProduct,
+    link_prefetch,
     pack_cpu_quantized,
+    product_order,
     unpack_cpu_quantized,
 )
 from mtplx_ext.ops import qlinear
@@ -84,3 +87,48 @@ def test_packed_linear_matches_mlx_quantized_linear_within_the_rounding_bound(se
     got = np.array(packed(x), np.float64)
     assert np.linalg.norm(got - ref) <= 0.02 * np.linalg.norm(ref)
     assert mx.array_equal(packed.to_quantized()(x), lin(x)).item()
+
+
+def _products(rt, kinds: tuple = (PackedQuantizedLinear,)) -> set[int]:
+    """Every distinct product of a packed model's layers of `kinds`: shared products, and layers outside one."""
+    out = set()
+    for _, m in rt.named_modules():
+        if isinstance(m, kinds):
+            out.add(id(m.__dict__.get("_shared") or m))
+    return out
+
+
+def _link(p) -> tuple:
+    return p.prefetch if isinstance(p, SharedProduct) else p.__dict__.get("_prefetch", ())
+
+
+def test_load_links_every_product_to_the_one_a_cycle_computes_next(seed: int) -> None:
+    rt = _model(seed, packed=True)
+    tokens = mx.array([[3]])
+
+    def cycle() -> None:  # what load records: a one-token trunk step and its draft
+        hidden = rt.forward(tokens)[1]
+        rt.head_forward(hidden, tokens)
+
+    order = product_order(cycle)
+    # Every product of trunk and head; an embedding only as a tied LM head, which runs twice (trunk, head).
+    ids = {id(p) for p in order}
+    assert _products(rt) <= ids <= _products(rt, (PackedQuantizedLinear, PackedQuantizedEmbedding))
+    assert len(order) >= 5 * rt.trunk.args.num_hidden_layers + 1
+    after = {id(a): b for a, b in zip(order, order[1:] + order[:1])}  # a product's last use wins
+    for a in order:
+        pair, b = _link(a), after[id(a)]
+        assert len(pair) == 2 and pair[0] is b.wq and pair[1] is b.sb
+    # A model that links nothing (the broken variant) fails the check above.
+    for p in order:
+        if isinstance(p, SharedProduct):
+            p.prefetch = ()
+        else:
+            p.__dict__.pop("_prefetch", None)
+    assert not any(_link(p) for p in order)
+    # Links change no result: logits with and without them are the same bits.
+    tokens = mx.array([[1, 5, 9, 2]])
+    plain = rt.trunk(tokens)
+    assert link_prefetch(order) == len(order)
+    assert all(_link(p) for p in order)
+    assert mx.array_equal(rt.trunk(tokens), plain).item()

@@ -15,7 +15,7 @@ the weight unpacked per call: pack only models that decode on the CPU.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,8 +43,13 @@ class _Packed(nn.Module):
             shared = self.__dict__.get("_shared")
             if shared is not None:
                 return shared.columns(x, self)
+            if _ORDER is not None:
+                _ORDER.append(self)
             # The extension directly (it checks every argument): once per layer per step.
-            return _ext.packed_quantized_linear(x, self.wq, self.sb, self.output_dims, self.group_size, self.bits)
+            return _ext.packed_quantized_linear(
+                x, self.wq, self.sb, self.output_dims, self.group_size, self.bits,
+                prefetch=self.__dict__.get("_prefetch", ()),
+            )
         w, s, b = self.mlx_weights()
         return mx.quantized_matmul(x, w, s, b, transpose=True, group_size=self.group_size, bits=self.bits)
 
@@ -63,6 +68,45 @@ class _Packed(nn.Module):
             f"input_dims={self.input_dims}, output_dims={self.output_dims}, "
             f"group_size={self.group_size}, bits={self.bits}, packed"
         )
+
+
+#: While `product_order` runs: the packed products in the order computed.
+_ORDER: list | None = None
+
+
+def product_order(run: Callable[[], Any]) -> list:
+    """The packed products (layers and shared products) that `run()` computes, in order."""
+    global _ORDER
+    _ORDER = []
+    try:
+        run()
+        return _ORDER
+    finally:
+        _ORDER = None
+
+
+def link_prefetch(order: list) -> int:
+    """Makes each product of `order` hand the next one's weight to the CPU's idle worker (the last the first's).
+
+    A product then returns with the thread pool's idle worker streaming the
+    next product's packed weight toward the caches while the ops between the
+    two run (`packed_quantized_linear(..., prefetch=)`): results unchanged,
+    memory traffic moved into time the weights' stream would otherwise sit
+    idle. A product computed twice in `order` (a tied LM head that trunk
+    and head both use) links to what follows its last use. Returns how many
+    links were made.
+    """
+    links = 0
+    for a, b in zip(order, order[1:] + order[:1]):
+        if a is b:
+            continue
+        pair = (b.wq, b.sb)
+        if isinstance(a, SharedProduct):
+            a.prefetch = pair
+        else:
+            object.__setattr__(a, "_prefetch", pair)
+        links += 1
+    return links
 
 
 class PackedQuantizedLinear(_Packed):
@@ -88,11 +132,13 @@ class PackedQuantizedLinear(_Packed):
 class PackedQuantizedEmbedding(_Packed):
     """An `nn.QuantizedEmbedding` (affine) repacked: lookups gather and dequantize rows, `as_linear` is the GEMM.
 
-    A lookup rebuilds the looked-up rows in mlx's format and dequantizes them
-    with `mx.dequantize`, so embeddings are bit for bit mlx-lm's.
+    A lookup dequantizes only the looked-up rows, bit for bit as
+    `mx.dequantize` does, so embeddings are mlx-lm's.
     """
 
     def __call__(self, ids: mx.array) -> mx.array:
+        if mx.default_device() == mx.cpu:  # one node (mlx's dequantize is ~50 on the CPU)
+            return qlinear.packed_quantized_embedding(self.wq, self.sb, ids, self.output_dims, self.group_size, self.bits)
         w, s, b = qlinear.unpack_quantized_rows(self.wq, self.sb, ids, self.group_size, self.bits)
         return mx.dequantize(w, s, b, group_size=self.group_size, bits=self.bits)
 
@@ -138,12 +184,17 @@ class SharedProduct:
         mx.eval([(m.wq, m.sb) for m in members])
         self._x: mx.array | None = None
         self._y: mx.array | None = None
+        self.prefetch: tuple[mx.array, ...] = ()  # `link_prefetch`
         self._served: set[int] = set()
 
     def columns(self, x: mx.array, member: _Packed) -> mx.array:
         if self._x is not x or id(member) in self._served:
             self._x, self._served = x, set()
-            self._y = _ext.packed_quantized_linear(x, self.wq, self.sb, self.n, self.group_size, self.bits)
+            if _ORDER is not None:
+                _ORDER.append(self)
+            self._y = _ext.packed_quantized_linear(
+                x, self.wq, self.sb, self.n, self.group_size, self.bits, prefetch=self.prefetch
+            )
         c0, c1 = self.spans[id(member)]
         out = self._y[..., c0:c1]
         self._served.add(id(member))
@@ -216,6 +267,8 @@ def unpack_cpu_quantized(model: nn.Module) -> int:
 
 
 __all__ = [
+    "link_prefetch",
+    "product_order",
     "PackedQuantizedEmbedding",
     "PackedQuantizedLinear",
     "SharedProduct",

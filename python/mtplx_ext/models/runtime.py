@@ -18,7 +18,7 @@ from mtplx_ext.models import trunk as trunk_lib
 from mtplx_ext.models.base import MTPHead
 from mtplx_ext.models.fused_modules import fuse_cpu_ops
 from mtplx_ext.models.packed_linear import PackedLinear, pack_cpu_linears, packing_available
-from mtplx_ext.models.packed_quantized import PackedQuantizedLinear, pack_cpu_quantized
+from mtplx_ext.models.packed_quantized import PackedQuantizedLinear, link_prefetch, pack_cpu_quantized, product_order
 
 
 def _check_left_padding(left_padding: object) -> list[int]:
@@ -142,8 +142,18 @@ class MTPRuntime(nn.Module):
         if pack_linears and mx.default_device() == mx.cpu:
             if packing_available():
                 n += pack_cpu_linears(self)
-            n += pack_cpu_quantized(self)
+            packed = pack_cpu_quantized(self)
+            if packed:
+                n += packed
+                link_prefetch(product_order(self._one_cycle))
         return n
+
+    def _one_cycle(self) -> None:
+        """A one-token trunk forward and, with a head, its draft (the order a decode cycle multiplies in)."""
+        tokens = mx.zeros((1, 1), mx.int32)
+        _, hidden = self.forward(tokens)
+        if self.has_mtp:
+            self.head_forward(hidden, tokens)
 
     @property
     def linears_packed(self) -> bool:

@@ -128,12 +128,19 @@ def pack_quantized_weight(
     return mx.contiguous(wq), mx.contiguous(sb)
 
 
-def unpack_quantized_rows(wq: mx.array, sb: mx.array, rows: mx.array, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
+def unpack_quantized_rows(
+    wq: mx.array, sb: mx.array, rows: mx.array, group_size: int, bits: int, n: int | None = None
+) -> tuple[mx.array, mx.array, mx.array]:
     """Rows `rows` (any int shape) of a packed weight in mlx's format: (weight uint32, scales, biases).
 
     Reads only those rows (an embedding lookup); `unpack_quantized_weight`
-    is every row.
+    is every row. On a CPU default device with `n` (the weight's rows) it
+    is one extension node (ids clamped to [0, n)); otherwise a graph of mlx
+    ops (a GPU, or the reference the tests compare the node with).
     """
+    if n is not None and mx.default_device() == mx.cpu:
+        w, s, b = _ext.packed_quantized_rows(wq, sb, rows, as_int("n", n, lo=1, hi=2**31), group_size, bits)
+        return w, s, b
     p, g, block = wq.shape
     steps = group_size // _step_k(bits)
     rows = rows.astype(mx.int32)
@@ -152,22 +159,53 @@ def unpack_quantized_rows(wq: mx.array, sb: mx.array, rows: mx.array, group_size
     return pack_bits(q, bits), sbf[at], sbf[at + PANEL]
 
 
+def packed_quantized_embedding(
+    wq: mx.array, sb: mx.array, ids: mx.array, n: int, group_size: int, bits: int, *, stream: StreamLike = None
+) -> mx.array:
+    """Rows `ids` (any int shape) of a packed weight [n, K], dequantized: [..., K] in the scales' dtype.
+
+    Bit for bit `mx.dequantize` of the rows in mlx's format, in one CPU
+    node; ids are clamped to [0, n).
+
+    Raises:
+        ValueError: a shape, dtype, `n`, `group_size` or `bits` that does not
+            match (naming the argument), or a GPU stream.
+    """
+    return _ext.packed_quantized_embedding(
+        require_array("wq", wq), require_array("sb", sb), require_array("ids", ids),
+        as_int("n", n, lo=1, hi=2**31), as_int("group_size", group_size), as_int("bits", bits), stream=stream,
+    )
+
+
 def unpack_quantized_weight(wq: mx.array, sb: mx.array, n: int, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
     """The inverse of `pack_quantized_weight`: (weight uint32, scales, biases), bit for bit."""
     return unpack_quantized_rows(wq, sb, mx.arange(as_int("n", n, lo=1, hi=2**31)), group_size, bits)
 
 
 def packed_quantized_linear(
-    x: mx.array, wq: mx.array, sb: mx.array, n: int, group_size: int, bits: int, *, stream: StreamLike = None
+    x: mx.array,
+    wq: mx.array,
+    sb: mx.array,
+    n: int,
+    group_size: int,
+    bits: int,
+    *,
+    prefetch: tuple[mx.array, mx.array] | tuple[()] = (),
+    stream: StreamLike = None,
 ) -> mx.array:
     """`x @ W.T` for x [..., K] and W [n, K] packed by `pack_quantized_weight`, on a CPU stream.
 
     The output dtype is mx.quantized_matmul's: x's and the scales' promoted.
+    `prefetch`: the (wq, sb) of the packed weight multiplied next; once this
+    product is done, the CPU thread pool's idle worker streams it toward the
+    caches while the ops in between run. It changes no result.
 
     Raises:
-        ValueError: a shape, dtype, `n`, `group_size` or `bits` that does not
-            match (naming the argument), or a GPU stream.
+        ValueError: a shape, dtype, `n`, `group_size`, `bits` or `prefetch`
+            that does not match (naming the argument), or a GPU stream.
     """
+    if not isinstance(prefetch, (tuple, list)):
+        raise TypeError(f"prefetch must be a tuple (wq, sb) or (), got {type(prefetch).__name__}")
     return _ext.packed_quantized_linear(
         require_array("x", x),
         require_array("wq", wq),
@@ -175,6 +213,7 @@ def packed_quantized_linear(
         as_int("n", n, lo=1, hi=2**31),
         as_int("group_size", group_size),
         as_int("bits", bits),
+        prefetch=[require_array("prefetch", a) for a in prefetch],
         stream=stream,
     )
 
@@ -201,6 +240,7 @@ __all__ = [
     "PANEL",
     "pack_bits",
     "pack_quantized_weight",
+    "packed_quantized_embedding",
     "packed_quantized_linear",
     "packed_quantized_linear_isa",
     "set_packed_quantized_linear_isa",
