@@ -19,25 +19,29 @@ namespace {
 using qgemm_detail::Call;
 using qgemm_detail::PanelsFn;
 
-// One variant's kernels for every (container, scale type).
+// One variant's kernels for every (container, scale type), and its
+// activation quantization.
 struct QKernels {
   PanelsFn fn[2][3];  // [nibbles][scale type]
+  qgemm_detail::QuantizeFn quantize;
 };
 
-#define MTPLX_QKERNELS(fn)                                              \
+#define MTPLX_QKERNELS(fn, quantize)                                    \
   QKernels {                                                            \
     {{qgemm_detail::fn<false, ScaleType::f32>,                          \
       qgemm_detail::fn<false, ScaleType::f16>,                          \
       qgemm_detail::fn<false, ScaleType::bf16>},                        \
      {qgemm_detail::fn<true, ScaleType::f32>,                           \
       qgemm_detail::fn<true, ScaleType::f16>,                           \
-      qgemm_detail::fn<true, ScaleType::bf16>}}                         \
+      qgemm_detail::fn<true, ScaleType::bf16>}},                        \
+    qgemm_detail::quantize                                              \
   }
 
-const QKernels kGeneric = MTPLX_QKERNELS(panels_generic);
+const QKernels kGeneric =
+    MTPLX_QKERNELS(panels_generic, quantize_row_generic);
 #if defined(__x86_64__) && defined(__GNUC__)
-const QKernels kAvx512 = MTPLX_QKERNELS(panels_avx512);
-const QKernels kAvx2 = MTPLX_QKERNELS(panels_avx2);
+const QKernels kAvx512 = MTPLX_QKERNELS(panels_avx512, quantize_row_avx512);
+const QKernels kAvx2 = MTPLX_QKERNELS(panels_avx2, quantize_row_avx2);
 bool runs_avx512_vnni() {
   return __builtin_cpu_supports("avx512f") &&
       __builtin_cpu_supports("avx512bw") &&
@@ -68,70 +72,6 @@ constexpr int64_t kRowBlock = 64;
 // measured faster from 256 KiB on).
 constexpr int64_t kSplitBytes = 256 << 10;
 
-// Row i's groups: int8 values and their RowGroup (qgemm.h; xs the float
-// sum of x, c = 2^(bits - 1)). A group holding Inf or NaN gets d = NaN and
-// xq = 0, so that its outputs are NaN as the dequantized product's would
-// be, never a silent number.
-//
-// Written over kLanes independent lanes (lane l takes k = l mod kLanes) so
-// that the compiler vectorizes it on every target with one fixed order of
-// float operations: the max, the lane sums (added pairwise at the end) and
-// the rounding give the same bits everywhere. Rounding to the nearest
-// integer, ties to even: (v + 1.5 * 2^23) - 1.5 * 2^23, exact for |v| <
-// 2^22 (here |v| <= 127) in the default rounding mode, as nearbyint.
-constexpr int kLanes = 16;
-constexpr float kRound = 12582912.0f; // 1.5 * 2^23
-
-void quantize_row(
-    const float* x,
-    int K,
-    int group_size,
-    int bits,
-    int8_t* xq,
-    qgemm_detail::RowGroup* rg) {
-  const int c = 1 << (bits - 1);
-  for (int g = 0, k0 = 0; k0 < K; ++g, k0 += group_size) {
-    const float* xg = x + k0;
-    float amax[kLanes] = {}, sum[kLanes] = {}, nonfinite[kLanes] = {};
-    for (int k = 0; k < group_size; k += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float v = xg[k + l];
-        const float a = std::fabs(v);
-        amax[l] = amax[l] < a ? a : amax[l];
-        sum[l] += v;
-        nonfinite[l] += v * 0.0f; // NaN once any value is Inf or NaN
-      }
-    }
-    for (int w = kLanes / 2; w > 0; w /= 2) {
-      for (int l = 0; l < w; ++l) {
-        amax[l] = amax[l] < amax[l + w] ? amax[l + w] : amax[l];
-        sum[l] += sum[l + w];
-        nonfinite[l] += nonfinite[l + w];
-      }
-    }
-    const bool finite = nonfinite[0] == 0.0f;
-    const float inv = amax[0] > 0.0f && finite ? 127.0f / amax[0] : 0.0f;
-    int32_t qs[kLanes] = {};
-    int8_t* q = xq + k0;
-    for (int k = 0; k < group_size; k += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        const float v = (xg[k + l] * inv + kRound) - kRound;
-        const int32_t r = finite ? int32_t(v) : 0;
-        q[k + l] = int8_t(r);
-        qs[l] += r;
-      }
-    }
-    int32_t qsum = 0;
-    for (int l = 0; l < kLanes; ++l) {
-      qsum += qs[l];
-    }
-    rg[g].d = finite ? amax[0] / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    rg[g].xs = sum[0];
-    rg[g].cxs = float(c) * sum[0];
-    rg[g].cq = c * qsum;
-  }
-}
-
 } // namespace
 
 const char* qgemm_isa() {
@@ -159,8 +99,8 @@ void qgemm(
   const int64_t w_bytes = int64_t(P) * kQPanel * K / (q_nibbles(bits) ? 2 : 1);
   const int parts =
       (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
-  const PanelsFn fn =
-      g_kernel.get().fn->fn[q_nibbles(bits) ? 1 : 0][int(st)];
+  const QKernels& kernels = *g_kernel.get().fn;
+  const PanelsFn fn = kernels.fn[q_nibbles(bits) ? 1 : 0][int(st)];
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<qgemm_detail::RowGroup> rg;
   for (int64_t b0 = 0; b0 < M; b0 += kRowBlock) {
@@ -168,7 +108,7 @@ void qgemm(
     xq.resize(size_t(rows) * K);
     rg.resize(size_t(rows) * G);
     for (int64_t i = 0; i < rows; ++i) {
-      quantize_row(
+      kernels.quantize(
           x + (b0 + i) * K, K, group_size, bits, xq.data() + i * K,
           rg.data() + i * G);
     }
@@ -199,4 +139,61 @@ void qgemm_prefetch_next(
        {sb, size_t(sb_bytes)}});
 }
 
+namespace qgemm_detail {
+
+// Row x's groups: int8 values xq and their RowGroup (qgemm.h; xs the float
+// sum of x, c = 2^(bits - 1)). A group holding Inf or NaN gets d = NaN and
+// xq = 0, so that its outputs are NaN as the dequantized product's would
+// be, never a silent number.
+//
+// Every instruction set runs the same float operations in the same order,
+// over kQuantLanes independent lanes (lane l takes k = l mod kQuantLanes):
+// per lane the max of |x| (a NaN never replaces it) and the sum, then the
+// lanes folded pairwise (l += l + 8, + 4, + 2, + 1); each value rounds to
+// the nearest integer, ties to even, as (x * inv + 1.5 * 2^23) - 1.5 *
+// 2^23 (exact for |x * inv| <= 127 < 2^22 in the default rounding mode),
+// the product rounded first (these files build with -ffp-contract=off).
+// So xq and RowGroup are the same bits on every kernel.
+void quantize_row_generic(
+    const float* x,
+    int K,
+    int group_size,
+    int bits,
+    int8_t* xq,
+    RowGroup* rg) {
+  constexpr int L = kQuantLanes;
+  for (int g = 0, k0 = 0; k0 < K; ++g, k0 += group_size) {
+    const float* xg = x + k0;
+    float amax[L] = {}, sum[L] = {}, nonfinite[L] = {};
+    for (int k = 0; k < group_size; k += L) {
+      for (int l = 0; l < L; ++l) {
+        const float v = xg[k + l];
+        const float a = std::fabs(v);
+        amax[l] = amax[l] < a ? a : amax[l];
+        sum[l] += v;
+        nonfinite[l] += v * 0.0f; // NaN once any value is Inf or NaN
+      }
+    }
+    for (int w = L / 2; w > 0; w /= 2) {
+      for (int l = 0; l < w; ++l) {
+        amax[l] = amax[l] < amax[l + w] ? amax[l + w] : amax[l];
+        sum[l] += sum[l + w];
+        nonfinite[l] += nonfinite[l + w];
+      }
+    }
+    const bool finite = nonfinite[0] == 0.0f;
+    const float inv = group_inverse(amax[0], finite);
+    int32_t qsum = 0;
+    int8_t* q = xq + k0;
+    for (int k = 0; k < group_size; ++k) {
+      const float t = xg[k] * inv;
+      const int32_t r = finite ? int32_t((t + kRoundMagic) - kRoundMagic) : 0;
+      q[k] = int8_t(r);
+      qsum += r;
+    }
+    finish_group(amax[0], sum[0], finite, qsum, bits, rg[g]);
+  }
+}
+
+} // namespace qgemm_detail
 } // namespace mtplx::cpu

@@ -130,6 +130,38 @@ struct Call {
 
 using PanelsFn = void (*)(const Call&, int, int);
 
+// One row's activations quantized per group (see quantize_row in
+// qgemm.cpp for the contract every instruction set meets bit for bit).
+using QuantizeFn = void (*)(const float*, int, int, int, int8_t*, RowGroup*);
+void quantize_row_generic(const float*, int, int, int, int8_t*, RowGroup*);
+void quantize_row_avx512(const float*, int, int, int, int8_t*, RowGroup*);
+void quantize_row_avx2(const float*, int, int, int, int8_t*, RowGroup*);
+
+// Lanes of the activations' quantization, and its rounding constant.
+constexpr int kQuantLanes = 16;
+constexpr float kRoundMagic = 12582912.0f; // 1.5 * 2^23
+
+// A group's RowGroup from its lane-reduced max |x|, sum and integer sum.
+inline void finish_group(
+    float amax,
+    float sum,
+    bool finite,
+    int32_t qsum,
+    int bits,
+    RowGroup& rg) {
+  const int c = 1 << (bits - 1);
+  rg.d = finite ? amax / 127.0f : __builtin_nanf("");
+  rg.xs = sum;
+  rg.cxs = float(c) * sum;
+  rg.cq = c * qsum;
+}
+
+// The scale that maps a group onto [-127, 127] (0 for an all-zero or
+// non-finite group).
+inline float group_inverse(float amax, bool finite) {
+  return amax > 0.0f && finite ? 127.0f / amax : 0.0f;
+}
+
 // Panels [p0, p1) for every row; one per (instruction set, container,
 // scale type).
 template <bool Nibbles, ScaleType S>

@@ -88,5 +88,72 @@ struct Avx2 {
 
 MTPLX_QGEMM_INSTANTIATE(panels_avx2, Avx2)
 
+// quantize_row_generic's operations, 16 lanes as two ymm (qgemm.cpp).
+void quantize_row_avx2(
+    const float* x,
+    int K,
+    int group_size,
+    int bits,
+    int8_t* xq,
+    RowGroup* rg) {
+  static_assert(kQuantLanes == 16);
+  const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+  const __m256 magic = _mm256_set1_ps(kRoundMagic);
+  for (int g = 0, k0 = 0; k0 < K; ++g, k0 += group_size) {
+    const float* xg = x + k0;
+    __m256 amax[2] = {zero, zero}, sum[2] = {zero, zero},
+           nonfinite[2] = {zero, zero};
+    for (int k = 0; k < group_size; k += 16) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256 v = _mm256_loadu_ps(xg + k + 8 * h);
+        amax[h] = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax[h]);
+        sum[h] = _mm256_add_ps(sum[h], v);
+        nonfinite[h] =
+            _mm256_add_ps(nonfinite[h], _mm256_mul_ps(v, zero));
+      }
+    }
+    alignas(32) float a[16], s[16], n[16];
+    for (int h = 0; h < 2; ++h) {
+      _mm256_store_ps(a + 8 * h, amax[h]);
+      _mm256_store_ps(s + 8 * h, sum[h]);
+      _mm256_store_ps(n + 8 * h, nonfinite[h]);
+    }
+    for (int w = 8; w > 0; w /= 2) {
+      for (int l = 0; l < w; ++l) {
+        a[l] = a[l] < a[l + w] ? a[l + w] : a[l];
+        s[l] += s[l + w];
+        n[l] += n[l + w];
+      }
+    }
+    const bool finite = n[0] == 0.0f;
+    const __m256 inv = _mm256_set1_ps(group_inverse(a[0], finite));
+    __m256i qs = _mm256_setzero_si256();
+    int8_t* q = xq + k0;
+    for (int k = 0; k < group_size; k += 16) {
+      __m256i i[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256 t = _mm256_mul_ps(_mm256_loadu_ps(xg + k + 8 * h), inv);
+        const __m256 r = _mm256_sub_ps(_mm256_add_ps(t, magic), magic);
+        i[h] = finite ? _mm256_cvttps_epi32(r) : _mm256_setzero_si256();
+        qs = _mm256_add_epi32(qs, i[h]);
+      }
+      // int32 -> int8 (|value| <= 127: the saturating packs are exact).
+      __m256i w16 = _mm256_packs_epi32(i[0], i[1]);
+      w16 = _mm256_permute4x64_epi64(w16, 0xD8);
+      const __m256i w8 = _mm256_packs_epi16(w16, w16);
+      _mm_storeu_si128(
+          (__m128i*)(q + k),
+          _mm256_castsi256_si128(_mm256_permute4x64_epi64(w8, 0x08)));
+    }
+    alignas(32) int32_t qv[8];
+    _mm256_store_si256((__m256i*)qv, qs);
+    int32_t qsum = 0;
+    for (int l = 0; l < 8; ++l) {
+      qsum += qv[l];
+    }
+    finish_group(a[0], s[0], finite, qsum, bits, rg[g]);
+  }
+}
+
 } // namespace mtplx::cpu::qgemm_detail
 #endif

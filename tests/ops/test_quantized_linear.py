@@ -205,3 +205,28 @@ def test_isa_names() -> None:
     assert Q.packed_quantized_linear_isa() in ISAS
     with pytest.raises(ValueError, match=r"\bisa\b"):
         Q.set_packed_quantized_linear_isa("sse9")
+
+
+def test_activation_rounding_ties_give_the_same_bits_on_every_kernel(rng) -> None:
+    """Activations whose scaled values sit within float rounding of k + 1/2 round alike everywhere.
+
+    x = (k + 1/2) * amax / 127 makes x * (127 / amax) land a rounding error
+    away from a tie, so a kernel that fused the product into the rounding's
+    add (an FMA), or rounded ties differently, gives other int8 values on a
+    few percent of them, and other output bits.
+    """
+    runs = [i for i in ISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
+    W = Weight(rng, 64, 2048, 64, 4)
+    amax = rng.uniform(0.5, 3.0, size=(256, 1))
+    k = rng.integers(-126, 126, size=(256, 2048)) + 0.5
+    x = (k * amax / 127).astype(np.float32)
+    x[:, ::64] = amax.astype(np.float32) * np.where(rng.random((256, 32)) < 0.5, 1, -1)  # each group's max
+    outs = []
+    try:
+        for isa in runs:
+            Q.set_packed_quantized_linear_isa(isa)
+            outs.append((isa, W.run(x)))
+    finally:
+        Q.set_packed_quantized_linear_isa("")
+    for isa, y in outs[1:]:
+        assert np.array_equal(y, outs[0][1]), f"{isa} rounds activations differently from {outs[0][0]}"
