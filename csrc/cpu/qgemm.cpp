@@ -72,6 +72,9 @@ constexpr int64_t kRowBlock = 64;
 // measured faster from 256 KiB on).
 constexpr int64_t kSplitBytes = 256 << 10;
 
+// At most this much of the next weight is prefetched between products.
+constexpr int64_t kPrefetchBytes = 2 << 20;
+
 } // namespace
 
 const char* qgemm_isa() {
@@ -129,14 +132,20 @@ void qgemm_prefetch_next(
     return;
   }
   const int parts = wq_bytes >= kSplitBytes ? std::min(threads, P) : 1;
-  const int64_t per = wq_bytes / P;
-  const int64_t a = parts > 1 ? panel_run_bound(P, parts, 1) * per : 0;
-  const int64_t b = parts > 1 ? panel_run_bound(P, parts, 2) * per : wq_bytes;
+  // Panels [p0, p1): the worker's first run, else the whole weight.
+  const int p0 = parts > 1 ? panel_run_bound(P, parts, 1) : 0;
+  const int p1 = parts > 1 ? panel_run_bound(P, parts, 2) : P;
+  const int64_t per = wq_bytes / P, sb_per = sb_bytes / P;
+  // The ops between two products last tens of microseconds: more than a
+  // few MiB would not arrive in time (an LM head can be hundreds of MiB).
+  const int64_t budget = kPrefetchBytes * per / (per + sb_per);
+  const int64_t n = std::min<int64_t>(p1 - p0, std::max<int64_t>(budget / per, 1));
+  const int64_t rest = std::min<int64_t>(p0, std::max<int64_t>(budget / per - n, 0));
   prefetch_in_background(
-      {{wq + a, size_t(b - a)},
-       {wq, size_t(a)},
-       {wq + b, size_t(wq_bytes - b)},
-       {sb, size_t(sb_bytes)}});
+      {{wq + p0 * per, size_t(n * per)},
+       {static_cast<const char*>(sb) + p0 * sb_per, size_t(n * sb_per)},
+       {wq, size_t(rest * per)},
+       {sb, size_t(rest * sb_per)}});
 }
 
 namespace qgemm_detail {

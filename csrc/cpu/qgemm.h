@@ -86,8 +86,8 @@ void qgemm(
 // weight wq [P, G, block] / sb of the product that comes next, to stream
 // toward the caches while the ops between the two products run: first the
 // panels the worker itself will multiply (the second long run of
-// parallel_panels, which it claims first), then the rest. Needs no result
-// of anything; changes none.
+// parallel_panels, which it claims first) with their scales, then the
+// first panels, 2 MiB in all. Needs no result of anything; changes none.
 void qgemm_prefetch_next(
     const uint8_t* wq,
     int P,
