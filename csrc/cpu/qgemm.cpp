@@ -183,15 +183,9 @@ void quantize_row_generic(
         nonfinite[l] += v * 0.0f; // NaN once any value is Inf or NaN
       }
     }
-    for (int w = L / 2; w > 0; w /= 2) {
-      for (int l = 0; l < w; ++l) {
-        amax[l] = amax[l] < amax[l + w] ? amax[l + w] : amax[l];
-        sum[l] += sum[l + w];
-        nonfinite[l] += nonfinite[l + w];
-      }
-    }
-    const bool finite = nonfinite[0] == 0.0f;
-    const float inv = group_inverse(amax[0], finite);
+    const LaneTotals tot = fold_lanes(amax, sum, nonfinite);
+    const bool finite = tot.finite;
+    const float inv = group_inverse(tot.amax, finite);
     int32_t qsum = 0;
     int8_t* q = xq + k0;
     for (int k = 0; k < group_size; ++k) {
@@ -200,7 +194,7 @@ void quantize_row_generic(
       q[k] = int8_t(r);
       qsum += r;
     }
-    finish_group(amax[0], sum[0], finite, qsum, bits, rg[g]);
+    finish_group(tot.amax, tot.sum, finite, qsum, bits, rg[g]);
   }
 }
 

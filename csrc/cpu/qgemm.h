@@ -156,6 +156,24 @@ inline void finish_group(
   rg.cq = c * qsum;
 }
 
+// Max |x|, sum and finiteness of a group from its lanes' partial values
+// (kQuantLanes each; overwritten): folded pairwise, lane l += lane l + 8,
+// + 4, + 2, + 1, the order every kernel keeps.
+struct LaneTotals {
+  float amax, sum;
+  bool finite;
+};
+inline LaneTotals fold_lanes(float* amax, float* sum, float* nonfinite) {
+  for (int w = kQuantLanes / 2; w > 0; w /= 2) {
+    for (int l = 0; l < w; ++l) {
+      amax[l] = amax[l] < amax[l + w] ? amax[l + w] : amax[l];
+      sum[l] += sum[l + w];
+      nonfinite[l] += nonfinite[l + w];
+    }
+  }
+  return {amax[0], sum[0], nonfinite[0] == 0.0f};
+}
+
 // The scale that maps a group onto [-127, 127] (0 for an all-zero or
 // non-finite group).
 inline float group_inverse(float amax, bool finite) {

@@ -118,15 +118,9 @@ void quantize_row_avx2(
       _mm256_store_ps(s + 8 * h, sum[h]);
       _mm256_store_ps(n + 8 * h, nonfinite[h]);
     }
-    for (int w = 8; w > 0; w /= 2) {
-      for (int l = 0; l < w; ++l) {
-        a[l] = a[l] < a[l + w] ? a[l + w] : a[l];
-        s[l] += s[l + w];
-        n[l] += n[l + w];
-      }
-    }
-    const bool finite = n[0] == 0.0f;
-    const __m256 inv = _mm256_set1_ps(group_inverse(a[0], finite));
+    const LaneTotals tot = fold_lanes(a, s, n);
+    const bool finite = tot.finite;
+    const __m256 inv = _mm256_set1_ps(group_inverse(tot.amax, finite));
     __m256i qs = _mm256_setzero_si256();
     int8_t* q = xq + k0;
     for (int k = 0; k < group_size; k += 16) {
@@ -151,7 +145,7 @@ void quantize_row_avx2(
     for (int l = 0; l < 8; ++l) {
       qsum += qv[l];
     }
-    finish_group(a[0], s[0], finite, qsum, bits, rg[g]);
+    finish_group(tot.amax, tot.sum, finite, qsum, bits, rg[g]);
   }
 }
 

@@ -70,20 +70,13 @@ void quantize_row_avx512(
       sum = _mm512_add_ps(sum, v);
       nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(v, zero));
     }
-    // Lanes folded l += l + 8, + 4, + 2, + 1 (as the generic kernel).
     alignas(64) float a[16], s[16], n[16];
     _mm512_store_ps(a, amax);
     _mm512_store_ps(s, sum);
     _mm512_store_ps(n, nonfinite);
-    for (int w = 8; w > 0; w /= 2) {
-      for (int l = 0; l < w; ++l) {
-        a[l] = a[l] < a[l + w] ? a[l + w] : a[l];
-        s[l] += s[l + w];
-        n[l] += n[l + w];
-      }
-    }
-    const bool finite = n[0] == 0.0f;
-    const __m512 inv = _mm512_set1_ps(group_inverse(a[0], finite));
+    const LaneTotals tot = fold_lanes(a, s, n);
+    const bool finite = tot.finite;
+    const __m512 inv = _mm512_set1_ps(group_inverse(tot.amax, finite));
     __m512i qs = _mm512_setzero_si512();
     int8_t* q = xq + k0;
     for (int k = 0; k < group_size; k += 16) {
@@ -94,7 +87,7 @@ void quantize_row_avx512(
       _mm_storeu_si128((__m128i*)(q + k), _mm512_cvtepi32_epi8(i));
       qs = _mm512_add_epi32(qs, i);
     }
-    finish_group(a[0], s[0], finite, _mm512_reduce_add_epi32(qs), bits, rg[g]);
+    finish_group(tot.amax, tot.sum, finite, _mm512_reduce_add_epi32(qs), bits, rg[g]);
   }
 }
 
