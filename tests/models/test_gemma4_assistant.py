@@ -192,8 +192,10 @@ def test_convert_writes_an_mlx_drafter_folder_float_bit_exact_and_quantized_like
     qt = mtplx_ext.load(t_path, drafter=tmp_path / "q", fuse_cpu_ops=False)
     assert isinstance(qt.head.pre_projection, nn.QuantizedLinear)
     assert isinstance(qt.head.model.embed_tokens, nn.QuantizedEmbedding)
+    packed = mtplx_ext.load(t_path, drafter=tmp_path / "q")  # the CPU's packed layers, as decoding loads it
+    assert not isinstance(packed.head.pre_projection, nn.QuantizedLinear)
     prompts = [rng.integers(0, 256, size=int(rng.integers(WINDOW + 1, 3 * WINDOW))).tolist() for _ in range(3)]
-    runs = [mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=8, depth=2) for rt in (hf, fl, qt)]
+    runs = [mtplx_ext.generate_greedy_batched(rt, prompts, max_new_tokens=8, depth=2) for rt in (hf, fl, qt, packed)]
     # Lossless with either drafter: each run equals mlx-lm's greedy decode of
     # the target (different drafts verify different query counts, so the
     # runs may part from each other only where the reference is a near tie).

@@ -149,11 +149,15 @@ class MTPRuntime(nn.Module):
         return n
 
     def _one_cycle(self) -> None:
-        """A one-token trunk forward and, with a head, its draft (the order a decode cycle multiplies in)."""
+        """A one-token trunk step and, with an MTP head, its draft (the order a cycle multiplies in).
+
+        A drafter that is not an MTP head (a Gemma 4 assistant reads the
+        target's KV) is left out: its products keep no prefetch link.
+        """
         tokens = mx.zeros((1, 1), mx.int32)
-        _, hidden = self.forward(tokens)
-        if self.has_mtp:
-            self.head_forward(hidden, tokens)
+        _, hidden = self.forward(tokens, self.make_cache([0], ragged=True, capacity=8))
+        if isinstance(self.head, MTPHead):
+            self.head_forward(hidden, tokens, self.make_head_cache([0], ragged=True, capacity=8))
 
     @property
     def linears_packed(self) -> bool:
