@@ -110,6 +110,14 @@ std::string set_packed_linear_isa(const std::string& isa) {
 
 namespace {
 
+// `a` for a kernel that reads it as a dense array: packed weights already
+// are (a Contiguous node only for a lazy or strided argument).
+mx::array dense(const mx::array& a, mx::Stream st) {
+  return a.is_available() && a.flags().row_contiguous
+      ? a
+      : mx::contiguous(a, false, st);
+}
+
 // The packed weight's checks shared by the quantized ops; returns (P, G).
 std::pair<int, int> check_packed_quantized(
     const mx::array& wq,
@@ -179,14 +187,7 @@ mx::array packed_quantized_linear(
         "packed_quantized_linear runs on the CPU only (stream is a GPU "
         "stream)");
   }
-  // The kernel reads wq and sb as dense arrays; packed weights are (a
-  // Contiguous node only for a lazy or strided argument).
-  const auto dense = [&](const mx::array& a) {
-    return a.is_available() && a.flags().row_contiguous
-        ? a
-        : mx::contiguous(a, false, st);
-  };
-  std::vector<mx::array> inputs = {x, dense(wq), dense(sb)};
+  std::vector<mx::array> inputs = {x, dense(wq, st), dense(sb, st)};
   if (!prefetch.empty()) {
     const bool pair = prefetch.size() == 2;
     if (!pair || prefetch[0].dtype() != mx::uint8 || prefetch[0].ndim() != 3 ||
@@ -197,8 +198,8 @@ mx::array packed_quantized_linear(
           "prefetch must be empty or the (wq, sb) pair of a packed weight: "
           "uint8 [P, G, block] and [P, G, 2, 64]");
     }
-    inputs.push_back(dense(prefetch[0]));
-    inputs.push_back(dense(prefetch[1]));
+    inputs.push_back(dense(prefetch[0], st));
+    inputs.push_back(dense(prefetch[1], st));
   }
   auto shape = x.shape();
   shape.back() = n;
@@ -208,7 +209,6 @@ mx::array packed_quantized_linear(
       std::make_shared<PackedQuantizedLinear>(st, n, group_size, bits),
       std::move(inputs));
 }
-
 
 namespace {
 
@@ -231,17 +231,12 @@ std::vector<mx::array> quantized_rows(
     bad_arg(
         "packed_quantized_rows runs on the CPU only (stream is a GPU stream)");
   }
-  const auto dense = [&](const mx::array& a) {
-    return a.is_available() && a.flags().row_contiguous
-        ? a
-        : mx::contiguous(a, false, st);
-  };
   const mx::array rows = ids.dtype() == mx::int32
-      ? dense(ids)
+      ? dense(ids, st)
       : mx::contiguous(mx::astype(ids, mx::int32, st), false, st);
   auto prim =
       std::make_shared<PackedQuantizedRows>(st, n, group_size, bits, dequantize);
-  std::vector<mx::array> in = {dense(wq), dense(sb), rows};
+  std::vector<mx::array> in = {dense(wq, st), dense(sb, st), rows};
   auto shapes = prim->output_shapes(in);
   if (dequantize) {
     return mx::array::make_arrays(shapes, {sb.dtype()}, prim, in);

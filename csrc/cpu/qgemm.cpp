@@ -72,6 +72,11 @@ constexpr int64_t kRowBlock = 64;
 // measured faster from 256 KiB on).
 constexpr int64_t kSplitBytes = 256 << 10;
 
+// Threads a product over `w_bytes` of weights in P panels splits over.
+int split_parts(int64_t w_bytes, int P, int threads) {
+  return threads > 1 && w_bytes >= kSplitBytes ? std::min(threads, P) : 1;
+}
+
 // At most this much of the next weight is prefetched between products.
 constexpr int64_t kPrefetchBytes = 2 << 20;
 
@@ -100,8 +105,7 @@ void qgemm(
   const int P = (N + kQPanel - 1) / kQPanel;
   const int G = K / group_size;
   const int64_t w_bytes = int64_t(P) * kQPanel * K / (q_nibbles(bits) ? 2 : 1);
-  const int parts =
-      (threads > 1 && w_bytes >= kSplitBytes) ? std::min(threads, P) : 1;
+  const int parts = split_parts(w_bytes, P, threads);
   const QKernels& kernels = *g_kernel.get().fn;
   const PanelsFn fn = kernels.fn[q_nibbles(bits) ? 1 : 0][int(st)];
   thread_local std::vector<int8_t> xq;
@@ -131,7 +135,7 @@ void qgemm_prefetch_next(
   if (threads < 2) {
     return;
   }
-  const int parts = wq_bytes >= kSplitBytes ? std::min(threads, P) : 1;
+  const int parts = split_parts(wq_bytes, P, threads);
   // Panels [p0, p1): the worker's first run, else the whole weight.
   const int p0 = parts > 1 ? panel_run_bound(P, parts, 1) : 0;
   const int p1 = parts > 1 ? panel_run_bound(P, parts, 2) : P;
