@@ -178,8 +178,13 @@ def packed_quantized_embedding(
 
 
 def unpack_quantized_weight(wq: mx.array, sb: mx.array, n: int, group_size: int, bits: int) -> tuple[mx.array, mx.array, mx.array]:
-    """The inverse of `pack_quantized_weight`: (weight uint32, scales, biases), bit for bit."""
-    return unpack_quantized_rows(wq, sb, mx.arange(as_int("n", n, lo=1, hi=2**31)), group_size, bits)
+    """The inverse of `pack_quantized_weight`: (weight uint32, scales, biases), bit for bit.
+
+    On a CPU default device one extension node (no bit-per-value temporaries
+    for a large vocabulary's head).
+    """
+    n = as_int("n", n, lo=1, hi=2**31)
+    return unpack_quantized_rows(wq, sb, mx.arange(n), group_size, bits, n)
 
 
 def packed_quantized_linear(
