@@ -20,6 +20,13 @@
 namespace mtplx::cpu::qgemm_detail {
 
 
+// Bytes ahead of its reads at which a row tile's weight stream is
+// prefetched (the lead tile of each group only: the others read the same
+// block). One core's hardware prefetchers alone left the stream at about
+// four fifths of the read rate on an Intel Xeon (Emerald Rapids); 4-16 KiB
+// ahead measured alike, 8 KiB the best (bench/RESULTS.md).
+constexpr int64_t kPrefetchAhead = 8192;
+
 template <ScaleType S>
 struct ScaleBits {
   using type = uint16_t;
@@ -45,7 +52,8 @@ inline void tile(
     const typename ScaleBits<S>::type* sb,
     int g,
     float* out,
-    int64_t ldo) {
+    int64_t ldo,
+    bool lead) {
   using Acc = typename T::Acc;
   constexpr int kStepK = Nib ? 8 : 4;
   const int steps = c.group_size / kStepK;
@@ -58,7 +66,23 @@ inline void tile(
     }
   }
   const int8_t* x = c.xq + i0 * c.K + int64_t(g) * c.group_size;
+  if (lead) {
+    // The scales and biases of the group as far ahead as the weight's
+    // prefetch (2 x 64 of them per group).
+    const int64_t ahead = kPrefetchAhead / (int64_t(steps) * 4 * 64) + 1;
+    const char* p =
+        reinterpret_cast<const char*>(sb + ahead * 2 * kQPanel);
+    for (int b = 0; b < int(sizeof(*sb)) * 2 * kQPanel; b += 64) {
+      __builtin_prefetch(p + b, 0, 3);
+    }
+  }
   for (int s = 0; s < steps; ++s) {
+    if (lead) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __builtin_prefetch(w + kPrefetchAhead + j * 64, 0, 3);
+      }
+    }
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const auto wv = T::load_w(w + j * 64);
@@ -105,21 +129,22 @@ inline void tile_of(
     const typename ScaleBits<S>::type* sb,
     int g,
     float* out,
-    int64_t ldo) {
+    int64_t ldo,
+    bool lead) {
   if constexpr (R >= 1) {
     if (r == R) {
-      tile<T, Nib, S, R>(c, i0, w, sb, g, out, ldo);
+      tile<T, Nib, S, R>(c, i0, w, sb, g, out, ldo, lead);
     } else {
-      tile_of<T, Nib, S, R - 1>(r, c, i0, w, sb, g, out, ldo);
+      tile_of<T, Nib, S, R - 1>(r, c, i0, w, sb, g, out, ldo, lead);
     }
   }
 }
 
 // Panels [p0, p1) for every row (M <= 64): panel by panel, group by group,
 // each group's block against every row tile. The partial last panel is
-// computed into a scratch tile. No software prefetch: the weight is one
-// sequential stream per thread, which the hardware prefetchers follow
-// (prefetching 16-64 KiB ahead measured no faster).
+// computed into a scratch tile. The weight is one sequential stream per
+// thread, prefetched kPrefetchAhead bytes ahead (its scales an eighth of
+// that: a group's scales are an eighth of its block or less).
 template <class T, bool Nib, ScaleType S>
 inline void panels(const Call& c, int p0, int p1) {
   using SB = typename ScaleBits<S>::type;
@@ -146,7 +171,7 @@ inline void panels(const Call& c, int p0, int p1) {
         const int64_t i0 = rt.start(t);
         tile_of<T, Nib, S>(
             int(rt.size(t)), c, i0, w, sb + at * 2 * kQPanel, g,
-            dst + i0 * ld, ld);
+            dst + i0 * ld, ld, t == 0);
       }
     }
     if (!full) {
