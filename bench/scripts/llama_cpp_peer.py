@@ -78,14 +78,24 @@ class Skip(Exception):
     """The peer cannot be set up or run here; the message says why."""
 
 
-def run(cmd: list[str], timeout: float = TIMEOUT, nice: int | None = None, **kw: Any) -> str:
-    """cmd's stdout; Skip on a missing program, a failure or a timeout."""
+# llama.cpp runs killed by a signal and rerun (its AMX kernels, compiled in by GGML_NATIVE on a CPU with
+# AMX, die now and then of SIGILL on a tile instruction: a known upstream bug), recorded in the JSON.
+CRASHES: list[str] = []
+
+
+def run(cmd: list[str], timeout: float = TIMEOUT, nice: int | None = None, retries: int = 0, **kw: Any) -> str:
+    """cmd's stdout; Skip on a missing program, a failure or a timeout (a run killed by a signal is
+    rerun up to `retries` times)."""
     if nice is not None and shutil.which("nice"):
         cmd = ["nice", "-n", str(nice), *cmd]
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kw)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise Skip(f"{Path(cmd[0]).name}: {e}") from e
+    for _ in range(retries + 1):
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise Skip(f"{Path(cmd[0]).name}: {e}") from e
+        if p.returncode >= 0:
+            break
+        CRASHES.append(f"{Path(cmd[0]).name} {Path(cmd[2]).name}: signal {-p.returncode}")
     if p.returncode:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
         raise Skip(f"{' '.join(cmd[:3])} ... exited {p.returncode}: {' | '.join(tail)}")
@@ -173,9 +183,9 @@ def make_ggufs(model: Path, src: Path, bins: Path, work: Path, threads: int) -> 
 def llama_cpp(bins: Path, gguf: Path, threads: int, tokens: int) -> tuple[dict[str, Any], dict[int, float]]:
     """llama-bench's JSON row (batch 1, one repetition) and llama-batched-bench's S_TG at 1 and 8 sequences."""
     lb = json.loads(run([str(bins / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0",
-                         "-n", str(tokens), "-r", "1", "-o", "json"]))[0]
+                         "-n", str(tokens), "-r", "1", "-o", "json"], retries=3))[0]
     out = run([str(bins / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-npp", "16",
-               "-ntg", str(tokens), "-npl", "1,8", "-c", str(max(2048, 8 * (16 + tokens))), "--output-format", "jsonl"])
+               "-ntg", str(tokens), "-npl", "1,8", "-c", str(max(2048, 8 * (16 + tokens))), "--output-format", "jsonl"], retries=3)
     # Its JSON rows, wherever they sit in the output (a log line can share a line with one).
     rows = (json.loads(m) for m in re.findall(r"\{[^{}]*\}", out))
     bb = {r["pl"]: r["speed_tg"] for r in rows if "pl" in r and "speed_tg" in r}
@@ -315,6 +325,7 @@ def main() -> None:
         print(f"llama.cpp peer benchmark skipped: {e}")
         report["skipped"] = str(e)
     report["loadavg_end"] = os.getloadavg()
+    report["llama_cpp_crashes_rerun"] = CRASHES
     report["versions"] = versions(src)
     report["versions"]["llama.cpp_build"] = next(
         (r["llama_cpp"]["build_commit"] for r in report.get("rows", []) if r["llama_cpp"]), None)

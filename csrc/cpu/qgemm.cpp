@@ -42,16 +42,21 @@ const QKernels kGeneric =
 #if defined(__x86_64__) && defined(__GNUC__)
 const QKernels kAvx512 = MTPLX_QKERNELS(panels_avx512, quantize_row_avx512);
 const QKernels kAvx2 = MTPLX_QKERNELS(panels_avx2, quantize_row_avx2);
+const QKernels kAmx = MTPLX_QKERNELS(panels_amx, quantize_row_avx512);
 bool runs_avx512_vnni() {
   return __builtin_cpu_supports("avx512f") &&
       __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni");
+}
+bool runs_amx() {
+  return runs_avx512_vnni() && qgemm_detail::amx_ready();
 }
 bool runs_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
       __builtin_cpu_supports("f16c");
 }
 const KernelVariant<const QKernels*> kVariants[] = {
+    {&kAmx, "amx", runs_amx},
     {&kAvx512, "avx512", runs_avx512_vnni},
     {&kAvx2, "avx2", runs_avx2},
     {&kGeneric, "generic", runs_everywhere}};

@@ -96,7 +96,9 @@ void qgemm_prefetch_next(
     int64_t sb_bytes,
     int threads);
 
-// "avx512" (AVX-512 VNNI), "avx2", "generic": the kernel this CPU runs.
+// "amx" (AMX-INT8 tiles for calls of many rows, AVX-512 VNNI for few:
+// qgemm_amx.cpp), "avx512" (AVX-512 VNNI), "avx2", "generic": the kernel this CPU
+// runs.
 const char* qgemm_isa();
 
 // Runs the kernels of `name` from now on in this process ("" returns to the
@@ -186,6 +188,12 @@ template <bool Nibbles, ScaleType S>
 void panels_avx512(const Call& c, int p0, int p1);
 template <bool Nibbles, ScaleType S>
 void panels_avx2(const Call& c, int p0, int p1);
+template <bool Nibbles, ScaleType S>
+void panels_amx(const Call& c, int p0, int p1);
+
+// Whether this CPU has AMX-INT8 and the OS lets this process use it (asks
+// once for the permission, on Linux).
+bool amx_ready();
 template <bool Nibbles, ScaleType S>
 void panels_generic(const Call& c, int p0, int p1);
 

@@ -32,7 +32,9 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-isa = isa_fixture(Q.set_packed_quantized_linear_isa, "quantized kernel")
+# "amx": AMX-INT8 tiles for calls of 8 rows or more (16 at bytes), where the CPU and OS allow them.
+QISAS = ("amx", *ISAS)
+isa = isa_fixture(Q.set_packed_quantized_linear_isa, "quantized kernel", QISAS)
 
 
 
@@ -111,7 +113,7 @@ def test_half_activations_give_mlx_dtype_and_the_float_rows_result(rng, dtype) -
 
 def test_every_kernel_gives_the_same_bits_on_one_and_two_threads(rng) -> None:
     """Exact integer sums and one fixed fold order: every instruction set and thread split agrees bit for bit."""
-    runs = [i for i in ISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
+    runs = [i for i in QISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
     for bits in (3, 4, 8):
         W = Weight(rng, 1100, 512, 64, bits)  # over 1 MiB at 8 bits: split over threads
         x = rng.standard_normal((70, 512)).astype(np.float32)
@@ -202,7 +204,7 @@ def test_bad_inputs_name_the_argument(call, exc, name: str) -> None:
 
 
 def test_isa_names() -> None:
-    assert Q.packed_quantized_linear_isa() in ISAS
+    assert Q.packed_quantized_linear_isa() in QISAS
     with pytest.raises(ValueError, match=r"\bisa\b"):
         Q.set_packed_quantized_linear_isa("sse9")
 
@@ -215,7 +217,7 @@ def test_activation_rounding_ties_give_the_same_bits_on_every_kernel(rng) -> Non
     add (an FMA), or rounded ties differently, gives other int8 values on a
     few percent of them, and other output bits.
     """
-    runs = [i for i in ISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
+    runs = [i for i in QISAS if runnable(Q.set_packed_quantized_linear_isa, i)]
     W = Weight(rng, 64, 2048, 64, 4)
     amax = rng.uniform(0.5, 3.0, size=(256, 1))
     k = rng.integers(-126, 126, size=(256, 2048)) + 0.5

@@ -224,7 +224,7 @@ def packed_quantized_linear(
 
 
 def packed_quantized_linear_isa() -> str:
-    """The quantized GEMM's instruction set here: "avx512" (VNNI), "avx2" or "generic"."""
+    """The quantized GEMM's instruction set here: "amx" (AMX-INT8 tiles for many rows), "avx512" (VNNI), "avx2" or "generic"."""
     return str(_ext.packed_quantized_linear_isa())
 
 
