@@ -81,7 +81,8 @@ mx::array packed_quantized_embedding(
     int bits,
     mx::StreamOrDevice s = {});
 
-// "avx512" (VNNI), "avx2" or "generic": the quantized kernel this CPU runs.
+// "amx" (AMX-INT8 for many rows), "avx512" (VNNI), "avx2" or "generic": the
+// quantized kernel this CPU runs.
 const char* packed_quantized_linear_isa();
 
 // Tests: runs the quantized kernels of `isa` ("" restores this CPU's pick);

@@ -8,8 +8,8 @@ extension's quantized GEMM (`csrc/cpu/qgemm.h`: panels of 64 output columns,
 q as unsigned bytes or nibbles grouped 4 input indices per 32-bit lane,
 scales and biases per panel and group), and `packed_quantized_linear`
 multiplies by it: activations are quantized per row and group to int8,
-the group's dot products are exact integer sums (AVX-512 VNNI, AVX2, or a
-generic kernel, all giving the same bits), and each group's scale and bias
+the group's dot products are exact integer sums (AMX-INT8 tiles for many
+rows, AVX-512 VNNI, AVX2, or a generic kernel, all giving the same bits), and each group's scale and bias
 are applied once per row and column.
 
 Exactness: every row's result depends only on that row (a verification row
