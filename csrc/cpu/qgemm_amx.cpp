@@ -177,7 +177,11 @@ void panels_tiles(const Call& c, int p0, int p1) {
           ldb = 256;
         }
         // Blocks 0-1 into C 0-1 while the previous group's blocks 2-3 are
-        // stored and folded; then blocks 2-3 into C 2-3 while these are.
+        // stored and folded; then blocks 2-3 into C 2-3 while these are
+        // (tiles are not renamed: one set's products overlap only the other
+        // set's stores and fold). Written out twice: GCC's tile intrinsics
+        // paste their tile numbers into the assembly text, so they cannot
+        // be template parameters.
         _tile_zero(0);
         _tile_zero(1);
         for (int k = 0; k < gs; k += 64) {
