@@ -78,6 +78,10 @@ class Skip(Exception):
     """The peer cannot be set up or run here; the message says why."""
 
 
+class Killed(Skip):
+    """A run killed by a signal on its last try."""
+
+
 # llama.cpp runs killed by a signal and rerun (its AMX kernels, compiled in by GGML_NATIVE on a CPU with
 # AMX, die now and then of SIGILL on a tile instruction: a known upstream bug), recorded in the JSON.
 CRASHES: list[str] = []
@@ -98,7 +102,7 @@ def run(cmd: list[str], timeout: float = TIMEOUT, nice: int | None = None, retri
         CRASHES.append(f"{Path(cmd[0]).name} {Path(cmd[2]).name}: signal {-p.returncode}")
     if p.returncode:
         tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        raise Skip(f"{' '.join(cmd[:3])} ... exited {p.returncode}: {' | '.join(tail)}")
+        raise (Killed if p.returncode < 0 else Skip)(f"{' '.join(cmd[:3])} ... exited {p.returncode}: {' | '.join(tail)}")
     return p.stdout
 
 
@@ -188,9 +192,7 @@ def llama_cpp(bins: Path, gguf: Path, threads: int, tokens: int) -> tuple[dict[s
               "-ntg", str(tokens), "-npl", "1,8", "-c", str(max(2048, 8 * (16 + tokens))), "--output-format", "jsonl"]
     try:
         out = run(bb_cmd, retries=2)
-    except Skip:
-        if not CRASHES:
-            raise
+    except Killed:
         # Still killed: without the extra buffer types (its AMX kernels among them), recorded.
         CRASHES.append(f"llama-batched-bench {gguf.name}: rerun with --no-repack")
         out = run([*bb_cmd, "--no-repack"], retries=2)

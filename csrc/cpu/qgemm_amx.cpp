@@ -16,8 +16,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cstring>
-
 #include "cpu/qgemm_avx512_traits.h"
 
 namespace mtplx::cpu::qgemm_detail {
@@ -116,7 +114,6 @@ inline void fold_half(
 
 template <bool Nib, ScaleType S>
 void panels_tiles(const Call& c, int p0, int p1) {
-  using T = Avx512Vnni;
   using SB = typename ScaleBits<S>::type;
   constexpr int kStepK = Nib ? 8 : 4;
   const int gs = c.group_size;
@@ -131,13 +128,7 @@ void panels_tiles(const Call& c, int p0, int p1) {
   int configured = 0;
   Pending<S> pending{-1, 0, 0, nullptr, nullptr, 0};
   for (int p = p0; p < p1; ++p) {
-    const int n0 = p * kQPanel;
-    const bool full = n0 + kQPanel <= c.N;
-    float* dst = full ? c.y + n0 : scratch;
-    const int64_t ld = full ? c.N : kQPanel;
-    for (int64_t i = 0; i < c.M; ++i) {
-      std::memset(dst + i * ld, 0, sizeof(float) * kQPanel);
-    }
+    const PanelOut out(c, p, scratch);
     // Row tiles of 16 (the last one shorter), each over the whole panel:
     // the panel's weight (K x 64 values) stays in L2 for the next tile.
     for (int64_t i0 = 0; i0 < c.M; i0 += kAmxRows) {
@@ -154,12 +145,7 @@ void panels_tiles(const Call& c, int p0, int p1) {
           for (int64_t b = 0; b < block; b += 64) {
             __builtin_prefetch(w + kPrefetchAhead + b, 0, 3);
           }
-          const int64_t ahead = kPrefetchAhead / block + 1;
-          const char* ps =
-              reinterpret_cast<const char*>(sbg + ahead * 2 * kQPanel);
-          for (int b = 0; b < int(sizeof(SB)) * 2 * kQPanel; b += 64) {
-            __builtin_prefetch(ps + b, 0, 3);
-          }
+          prefetch_scales_ahead(sbg, block);
         }
         const int8_t* a = c.xq + i0 * c.K + int64_t(g) * gs;
         const uint8_t* b[4];
@@ -207,7 +193,7 @@ void panels_tiles(const Call& c, int p0, int p1) {
         }
         _tile_stored(0, cbuf[0], 64);
         _tile_stored(1, cbuf[1], 64);
-        pending = Pending<S>{g, i0, R, sbg, dst, ld};
+        pending = Pending<S>{g, i0, R, sbg, out.dst, out.ld};
         fold_half<S>(c, pending, cbuf, 0);
       }
       if (pending.g >= 0) {
@@ -217,13 +203,7 @@ void panels_tiles(const Call& c, int p0, int p1) {
         pending.g = -1;
       }
     }
-    if (!full) {
-      for (int64_t i = 0; i < c.M; ++i) {
-        std::memcpy(
-            c.y + i * c.N + n0, scratch + i * kQPanel,
-            sizeof(float) * (c.N - n0));
-      }
-    }
+    out.finish();
   }
 }
 

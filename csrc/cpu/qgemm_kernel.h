@@ -36,6 +36,54 @@ struct ScaleBits<ScaleType::f32> {
   using type = float;
 };
 
+// Prefetches the scales and biases (2 x 64 per group at sb) of the group
+// as far ahead in their stream as kPrefetchAhead is in the weight's, whose
+// groups are `block` bytes.
+template <class SB>
+inline void prefetch_scales_ahead(const SB* sb, int64_t block) {
+  const int64_t ahead = kPrefetchAhead / block + 1;
+  const char* p = reinterpret_cast<const char*>(sb + ahead * 2 * kQPanel);
+  for (int b = 0; b < int(sizeof(SB)) * 2 * kQPanel; b += 64) {
+    __builtin_prefetch(p + b, 0, 3);
+  }
+}
+
+// One panel's output: its 64 columns of y in place, or for the partial last
+// panel a scratch tile that finish() copies out; zeroed first (the fold
+// adds into it).
+class PanelOut {
+ public:
+  PanelOut(const Call& c, int p, float* scratch)
+      : c_(c),
+        n0_(p * kQPanel),
+        full_(n0_ + kQPanel <= c.N),
+        dst(full_ ? c.y + n0_ : scratch),
+        ld(full_ ? c.N : kQPanel) {
+    for (int64_t i = 0; i < c.M; ++i) {
+      std::memset(dst + i * ld, 0, sizeof(float) * kQPanel);
+    }
+  }
+
+  void finish() const {
+    if (!full_) {
+      for (int64_t i = 0; i < c_.M; ++i) {
+        std::memcpy(
+            c_.y + i * c_.N + n0_, dst + i * kQPanel,
+            sizeof(float) * (c_.N - n0_));
+      }
+    }
+  }
+
+ private:
+  const Call& c_;
+  const int n0_;
+  const bool full_;
+
+ public:
+  float* const dst;
+  const int64_t ld;
+};
+
 inline int32_t x4_at(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -67,14 +115,7 @@ inline void tile(
   }
   const int8_t* x = c.xq + i0 * c.K + int64_t(g) * c.group_size;
   if (lead) {
-    // The scales and biases of the group as far ahead as the weight's
-    // prefetch (2 x 64 of them per group).
-    const int64_t ahead = kPrefetchAhead / (int64_t(steps) * 4 * 64) + 1;
-    const char* p =
-        reinterpret_cast<const char*>(sb + ahead * 2 * kQPanel);
-    for (int b = 0; b < int(sizeof(*sb)) * 2 * kQPanel; b += 64) {
-      __builtin_prefetch(p + b, 0, 3);
-    }
+    prefetch_scales_ahead(sb, int64_t(steps) * 4 * 64);
   }
   for (int s = 0; s < steps; ++s) {
     if (lead) {
@@ -143,8 +184,8 @@ inline void tile_of(
 // Panels [p0, p1) for every row (M <= 64): panel by panel, group by group,
 // each group's block against every row tile. The partial last panel is
 // computed into a scratch tile. The weight is one sequential stream per
-// thread, prefetched kPrefetchAhead bytes ahead (its scales an eighth of
-// that: a group's scales are an eighth of its block or less).
+// thread, prefetched kPrefetchAhead bytes ahead, and its scales as many
+// groups ahead.
 template <class T, bool Nib, ScaleType S>
 inline void panels(const Call& c, int p0, int p1) {
   using SB = typename ScaleBits<S>::type;
@@ -157,13 +198,7 @@ inline void panels(const Call& c, int p0, int p1) {
   const auto* sb = static_cast<const SB*>(c.sb);
   alignas(64) float scratch[64 * kQPanel];
   for (int p = p0; p < p1; ++p) {
-    const int n0 = p * kQPanel;
-    const bool full = n0 + kQPanel <= c.N;
-    float* dst = full ? c.y + n0 : scratch;
-    const int64_t ld = full ? c.N : kQPanel;
-    for (int64_t i = 0; i < c.M; ++i) {
-      std::memset(dst + i * ld, 0, sizeof(float) * kQPanel);
-    }
+    const PanelOut out(c, p, scratch);
     for (int g = 0; g < c.G; ++g) {
       const int64_t at = int64_t(p) * c.G + g;
       const uint8_t* w = wq + at * block;
@@ -171,16 +206,10 @@ inline void panels(const Call& c, int p0, int p1) {
         const int64_t i0 = rt.start(t);
         tile_of<T, Nib, S>(
             int(rt.size(t)), c, i0, w, sb + at * 2 * kQPanel, g,
-            dst + i0 * ld, ld, t == 0);
+            out.dst + i0 * out.ld, out.ld, t == 0);
       }
     }
-    if (!full) {
-      for (int64_t i = 0; i < c.M; ++i) {
-        std::memcpy(
-            c.y + i * c.N + n0, scratch + i * kQPanel,
-            sizeof(float) * (c.N - n0));
-      }
-    }
+    out.finish();
   }
 }
 
